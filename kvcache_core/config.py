@@ -1,0 +1,139 @@
+"""Configuration of the storage engine, validated once at start.
+
+Every key is documented in :data:`KEY_HELP` (the ``--help`` text of the CLI and the
+README table come from it). Unknown keys and bad values raise :class:`ConfigError`
+naming the key, so a typo fails at start instead of silently running a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is invalid."""
+
+
+KEY_HELP: dict[str, str] = {
+    "root_dir": "Directory that holds the cache files (shared by every vLLM instance using "
+    "the same model). Created if missing; must be writable.",
+    "staging_bytes": "Bytes of the page-locked staging pool used for transfers (loads, stores, "
+    "preloads). Rounded down to whole slots; must hold at least io_depth + 1 slots.",
+    "io_depth": "Disk reads/writes in flight at once (io_uring queue depth). Also the number "
+    "of slots reserved for foreground (on-demand) work.",
+    "lookahead": "Asynchronous file opens allowed ahead of reads.",
+    "copy_headroom": "Extra slots beyond io_depth that keep the disk busy while device "
+    "copies hold slots. staging_bytes must cover io_depth + copy_headroom slots.",
+    "dram_cache_bytes": "Bytes of additional slots that retain finished blocks as a DRAM "
+    "cache tier (0 disables the DRAM tier).",
+    "eviction_policy": "DRAM tier replacement policy: 'lru' or 'arc'.",
+    "block_size": "Tokens per storage block (one file); a multiple of vLLM's GPU block size.",
+    "max_disk_bytes": "Upper bound on cache bytes under root_dir for this model namespace, "
+    "shared by all processes; least-recently-used files are evicted beyond it. 0 = unbounded.",
+    "durable": "fdatasync each file before publishing it (survives power loss; slower).",
+    "direct_io": "'auto' (probe the filesystem), 'on' (require O_DIRECT) or 'off'.",
+    "engine": "'auto' (io_uring, POSIX fallback with a warning), 'io_uring' or 'posix'.",
+    "verify_checksum": "Check the xxh3-64 of every payload read from disk (corrupt = miss).",
+}
+
+
+@dataclass
+class StorageConfig:
+    """Validated settings of the storage engine (see :data:`KEY_HELP`)."""
+
+    root_dir: str = "/tmp/kvcache"
+    staging_bytes: int = 512 * MiB
+    io_depth: int = 8
+    lookahead: int = 8
+    copy_headroom: int = 4
+    dram_cache_bytes: int = 0
+    eviction_policy: str = "lru"
+    block_size: int = 256
+    max_disk_bytes: int = 0
+    durable: bool = False
+    direct_io: str = "auto"
+    engine: str = "auto"
+    verify_checksum: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first invalid key."""
+
+        def need(ok: bool, key: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"py-kvcache config key '{key}': {msg} "
+                                  f"(got {getattr(self, key)!r})")
+
+        for key in ("staging_bytes", "io_depth", "lookahead", "copy_headroom",
+                    "dram_cache_bytes", "block_size", "max_disk_bytes"):
+            v = getattr(self, key)
+            need(isinstance(v, int) and not isinstance(v, bool), key, "must be an integer")
+        need(isinstance(self.root_dir, str) and self.root_dir != "", "root_dir",
+             "must be a non-empty path")
+        need(self.io_depth >= 1, "io_depth", "must be >= 1")
+        need(self.io_depth <= 256, "io_depth", "must be <= 256")
+        need(self.lookahead >= 0, "lookahead", "must be >= 0")
+        need(self.copy_headroom >= 0, "copy_headroom", "must be >= 0")
+        need(self.staging_bytes > 0, "staging_bytes", "must be > 0")
+        need(self.dram_cache_bytes >= 0, "dram_cache_bytes", "must be >= 0")
+        need(self.block_size > 0, "block_size", "must be > 0")
+        need(self.max_disk_bytes >= 0, "max_disk_bytes", "must be >= 0 (0 = unbounded)")
+        need(self.eviction_policy in ("lru", "arc"), "eviction_policy", "must be 'lru' or 'arc'")
+        need(self.direct_io in ("auto", "on", "off"), "direct_io", "must be auto, on or off")
+        need(self.engine in ("auto", "io_uring", "posix"), "engine",
+             "must be auto, io_uring or posix")
+        need(isinstance(self.durable, bool), "durable", "must be true or false")
+        need(isinstance(self.verify_checksum, bool), "verify_checksum", "must be true or false")
+
+    def check_pool(self, slot_bytes: int) -> None:
+        """Check that the staging pool holds io_depth + copy_headroom slots of ``slot_bytes``."""
+        need_slots = self.io_depth + max(1, self.copy_headroom)
+        have = self.staging_bytes // slot_bytes
+        if have < need_slots:
+            raise ConfigError(
+                f"py-kvcache config key 'staging_bytes': {self.staging_bytes} bytes hold {have} "
+                f"slots of {slot_bytes} bytes, need io_depth + copy_headroom = {need_slots} "
+                f"(at least {need_slots * slot_bytes} bytes)")
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], allowed_extra: tuple[str, ...] = ()) -> StorageConfig:
+        """Build from a dict (JSON config / kv_connector_extra_config).
+
+        Keys in ``allowed_extra`` are kept in ``extra`` for the caller (e.g. vLLM's
+        ``spec_name``); any other unknown key is an error that names it.
+        """
+        known = set(cls.keys())
+        kwargs: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for k, v in d.items():
+            if k in known:
+                kwargs[k] = v
+            elif k in allowed_extra:
+                extra[k] = v
+            else:
+                raise ConfigError(f"py-kvcache: unknown config key '{k}'; valid keys: "
+                                  f"{', '.join(sorted(known | set(allowed_extra)))}")
+        return cls(extra=extra, **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> StorageConfig:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"py-kvcache: config is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ConfigError("py-kvcache: config must be a JSON object")
+        return cls.from_dict(d)

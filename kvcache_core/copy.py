@@ -1,0 +1,131 @@
+"""Device copiers: move a block between a staging slot's payload and its device location.
+
+The reactor thread is the only caller. ``to_device`` receives ALL load blocks that became
+ready in one reactor iteration and must issue them as ONE batched operation;
+``from_device`` copies one block for a store. Both return a handle that :meth:`done`
+polls; the reactor frees (or retains) the slot only once ``done`` is True.
+
+* :class:`NullCopier` - no device (storage benchmarks measure disk <-> staging only).
+* :class:`MemcpyCopier` - CPU-only machines and CI: destinations/sources are writable
+  buffers (memoryview, bytearray, numpy array or CPU tensor); copies are synchronous.
+* :class:`CudaCopier` - torch CUDA: one dedicated stream for batched host->device copies
+  with an event per batch; one stream per slot for device->host copies that first wait
+  on the producer's event (no device-wide synchronisation).
+
+The payload of slot ``s`` is ``pool.views[s][offset:offset + nbytes]``; ``offset`` is the
+file header size so that header + payload are read/written in one I/O.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from .staging import StagingPool
+
+
+class Copier(ABC):
+    #: True if :meth:`done` may return False (the reactor then polls with a short timeout).
+    asynchronous = False
+
+    def __init__(self, pool: StagingPool, offset: int) -> None:
+        self.pool = pool
+        self.offset = offset
+
+    @abstractmethod
+    def to_device(self, slots: list[int], dests: list[Any], nbytes: list[int]) -> Any:
+        """Copy each slot's payload to its destination, as one batch. Returns a handle."""
+
+    @abstractmethod
+    def from_device(self, slot: int, src: Any, nbytes: int) -> Any:
+        """Copy ``nbytes`` from ``src`` into the slot's payload. Returns a handle."""
+
+    def done(self, handle: Any) -> bool:
+        return True
+
+
+class NullCopier(Copier):
+    """No device: the slot payload is the destination (storage benchmark)."""
+
+    def to_device(self, slots, dests, nbytes):
+        return None
+
+    def from_device(self, slot, src, nbytes):
+        return None
+
+
+class MemcpyCopier(Copier):
+    """Synchronous copies between slot payloads and CPU buffers (CI, CPU platform)."""
+
+    def to_device(self, slots, dests, nbytes):
+        views, off = self.pool.views, self.offset
+        for s, d, n in zip(slots, dests, nbytes):
+            if d is None:
+                continue
+            _as_view(d)[:n] = views[s][off:off + n]
+        return None
+
+    def from_device(self, slot, src, nbytes):
+        if src is not None:
+            self.pool.views[slot][self.offset:self.offset + nbytes] = _as_view(src)[:nbytes]
+        return None
+
+
+def _as_view(buf: Any) -> memoryview:
+    if isinstance(buf, memoryview):
+        return buf.cast("B") if buf.format != "B" else buf
+    if hasattr(buf, "numpy"):  # torch CPU tensor
+        return memoryview(buf.view(-1).numpy().view("uint8"))
+    return memoryview(buf).cast("B")
+
+
+class CudaCopier(Copier):
+    """Batched pinned-host <-> CUDA copies with torch streams and events.
+
+    Destinations/sources are CUDA uint8 tensors (or any tensor viewable as bytes) of at
+    least ``nbytes``. A store's ``src`` may be ``(tensor, event)``: the copy waits on
+    ``event`` (the step that produced the KV) on the slot's own stream.
+    """
+
+    asynchronous = True
+
+    def __init__(self, pool: StagingPool, offset: int, device: Any = None) -> None:
+        super().__init__(pool, offset)
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device or "cuda")
+        self.load_stream = torch.cuda.Stream(self.device)
+        self.store_streams = [torch.cuda.Stream(self.device) for _ in range(pool.n_slots)]
+
+    def _payload(self, slot: int, n: int):
+        return self.pool.tensor(slot)[self.offset:self.offset + n]
+
+    def to_device(self, slots, dests, nbytes):
+        torch = self.torch
+        with torch.cuda.stream(self.load_stream):
+            for s, d, n in zip(slots, dests, nbytes):
+                if d is not None:
+                    d.view(-1).view(torch.uint8)[:n].copy_(self._payload(s, n),
+                                                           non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.load_stream)
+        return ev
+
+    def from_device(self, slot, src, nbytes):
+        torch = self.torch
+        stream = self.store_streams[slot]
+        after = None
+        if isinstance(src, tuple):
+            src, after = src
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            self._payload(slot, nbytes).copy_(src.view(-1).view(torch.uint8)[:nbytes],
+                                              non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return ev
+
+    def done(self, handle) -> bool:
+        return handle is None or handle.query()

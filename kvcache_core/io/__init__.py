@@ -1,0 +1,87 @@
+"""I/O engines and the probes that choose them.
+
+:func:`make_engine` returns an io_uring engine when the kernel allows it, else the POSIX
+fallback with ONE warning. :func:`probe_direct` decides per root whether O_DIRECT works.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .base import IOEngine
+from .posix import PosixEngine
+
+log = logging.getLogger("kvcache_core.io")
+_warned = threading.Event()
+
+
+def uring_available() -> tuple[bool, str]:
+    """Probe io_uring by setting up a ring and running one NOP. Returns (ok, reason)."""
+    try:
+        import liburing as L
+    except Exception as e:  # pragma: no cover - import failure is environment specific
+        return False, f"liburing not importable: {e}"
+    if os.environ.get("KVCACHE_DISABLE_IO_URING") == "1":
+        return False, "disabled by KVCACHE_DISABLE_IO_URING=1"
+    ring = L.Ring()
+    try:
+        rc = L.io_uring_queue_init(2, ring, 0)
+        if rc not in (0, None):
+            return False, f"io_uring_queue_init returned {rc}"
+    except OSError as e:
+        return False, f"io_uring_setup refused: {e.strerror or e}"
+    try:
+        sqe = L.io_uring_get_sqe(ring)
+        L.io_uring_prep_nop(sqe)
+        L.io_uring_submit(ring)
+        cqe = L.Cqe()
+        L.io_uring_wait_cqe(ring, cqe)
+        L.io_uring_cqe_seen(ring, cqe[0])
+    except OSError as e:
+        return False, f"io_uring NOP failed: {e.strerror or e}"
+    finally:
+        L.io_uring_queue_exit(ring)
+    return True, "ok"
+
+
+def make_engine(kind: str = "auto", depth: int = 8, entries: int = 64,
+                force_async: bool = False) -> IOEngine:
+    """Create an engine. ``kind``: ``auto``, ``io_uring`` (required) or ``posix``."""
+    if kind == "posix":
+        return PosixEngine(depth)
+    ok, why = uring_available()
+    if ok:
+        from .uring import UringEngine
+
+        return UringEngine(entries, force_async=force_async)
+    if kind == "io_uring":
+        raise RuntimeError(f"py-kvcache: engine 'io_uring' requested but unavailable: {why}")
+    if not _warned.is_set():
+        _warned.set()
+        log.warning("py-kvcache: io_uring unavailable (%s); using the POSIX thread-pool "
+                    "fallback (preadv/pwritev, %d threads)", why, depth)
+    return PosixEngine(depth)
+
+
+def probe_direct(directory: str, mode: str = "auto") -> bool:
+    """Whether files in ``directory`` can be opened with O_DIRECT (``mode``: auto/on/off)."""
+    if mode == "off" or not hasattr(os, "O_DIRECT"):
+        if mode == "on":
+            raise RuntimeError("py-kvcache: direct_io 'on' but O_DIRECT is not supported here")
+        return False
+    path = os.path.join(directory, f".odirect-probe.{os.getpid()}.{threading.get_ident()}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if mode == "on":
+            raise RuntimeError(f"py-kvcache: direct_io 'on' but {directory} refuses O_DIRECT: "
+                               f"{e.strerror}") from e
+        return False
+    os.close(fd)
+    os.unlink(path)
+    return True
+
+
+__all__ = ["IOEngine", "PosixEngine", "make_engine", "probe_direct", "uring_available"]

@@ -1,0 +1,512 @@
+"""Hash-addressed file layout: one storage block = one file.
+
+Directory structure::
+
+    <root>/v<FORMAT>-<namespace digest>/          one namespace (model, dtype, geometry, rank)
+        meta.json                                 the namespace, human readable
+        .usage                                    shared byte ledger (8 bytes, flock-protected)
+        .writers/<host>.<pid>                     liveness lock of every writer process
+        ab/cd/<xxh3-128 of key>                   published blocks
+        ab/cd/.tmp.<host>.<pid>.<n>               files being written (never read)
+
+File format: a 4096-byte header (:data:`HEADER_FMT`: magic, format version, payload
+length, block geometry, namespace digest, the full key, xxh3-64 of the payload and of
+the header itself) followed by the payload, padded to 4096 bytes so that the whole file
+can be read or written with O_DIRECT in one request into a staging slot.
+
+Contracts:
+
+* Publish is atomic: a file is written under a unique temp name in its final directory
+  (``O_CREAT|O_EXCL``), optionally ``fdatasync``-ed (``durable``), then hard-linked to its
+  final name (fails if the name exists: no replacement, exact accounting) and the temp
+  name unlinked. A reader never sees a partial file under a final name.
+* Lookup is an existence check (``access``), no open.
+* ``max_disk_bytes`` bounds the published bytes of the namespace across all processes that
+  share it (ledger in ``.usage`` under ``flock``). Beyond it, least-recently-used files
+  (mtime; a read hit touches the file) are unlinked. Unlinking is safe for a reader that
+  already holds the file open.
+* Temp files of crashed writers are collected when a process opens the layout: every
+  writer holds an exclusive ``flock`` on ``.writers/<host>.<pid>``; an entry whose lock can
+  be taken belongs to a dead writer, whose temp files are removed.
+* A :class:`Layout` is used by one thread at a time for mutations (the reactor thread);
+  :meth:`Layout.exists` and :meth:`Layout.path_for` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import heapq
+import itertools
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import xxhash
+
+FORMAT_VERSION = 1
+MAGIC = b"PYKVCB\x00\x01"
+ALIGN = 4096
+HEADER_BYTES = 4096
+MAX_KEY_BYTES = 64
+# magic, version, header_bytes, payload_len, block_bytes, ns digest, key_len, key,
+# payload xxh3-64, header xxh3-64 (over everything before it)
+HEADER_FMT = struct.Struct(f"<8sIIQQ16sH{MAX_KEY_BYTES}sQ")
+HEADER_HASH = struct.Struct("<Q")
+TMP_PREFIX = ".tmp."
+
+
+def round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class LayoutError(OSError):
+    """The root directory cannot be used (missing parent, unwritable, not a directory)."""
+
+
+class CorruptBlock(Exception):
+    """A file's header or payload failed validation; the caller treats it as a miss."""
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that changes the bytes of a block. Different namespace = different files.
+
+    ``block_bytes`` is the payload size of one full storage block (all ranks' layouts
+    included for this rank); ``block_size`` is tokens per storage block.
+    """
+
+    model: str
+    dtype: str
+    block_size: int
+    block_bytes: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    kv_layout: str = ""
+
+    def digest(self) -> bytes:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return xxhash.xxh3_128_digest(blob + FORMAT_VERSION.to_bytes(4, "little"))
+
+    def dirname(self) -> str:
+        return f"v{FORMAT_VERSION}-{self.digest().hex()[:16]}"
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of one file = bytes of one staging slot."""
+        return HEADER_BYTES + round_up(self.block_bytes)
+
+
+def _host_tag() -> str:
+    h = socket.gethostname() or "host"
+    return "".join(c if c.isalnum() or c == "-" else "_" for c in h)[:40]
+
+
+class Ledger:
+    """Bytes published in a namespace, shared by processes through a locked 8-byte file."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+
+    def add(self, delta: int) -> int:
+        """Atomically add ``delta`` (may be negative) and return the new total."""
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                raw = os.pread(self._fd, 8, 0)
+                cur = int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else 0
+                new = max(0, cur + delta)
+                os.pwrite(self._fd, new.to_bytes(8, "little", signed=True), 0)
+                return new
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def set(self, value: int) -> None:
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                os.pwrite(self._fd, int(value).to_bytes(8, "little", signed=True), 0)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def get(self) -> int:
+        return self.add(0)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@dataclass
+class LayoutStats:
+    published: int = 0
+    publish_existing: int = 0
+    evicted_files: int = 0
+    evicted_bytes: int = 0
+    temp_collected: int = 0
+    dropped_over_capacity: int = 0
+
+
+class Layout:
+    """File naming, header, atomic publish, lookup and the capacity bound of one namespace."""
+
+    def __init__(self, root: str, ns: Namespace, *, max_disk_bytes: int = 0,
+                 durable: bool = False, collect: bool = True) -> None:
+        if ns.block_bytes <= 0:
+            raise ValueError("Namespace.block_bytes must be > 0")
+        self.root = os.path.abspath(root)
+        self.ns = ns
+        self.max_disk_bytes = max_disk_bytes
+        self.durable = durable
+        self.stats = LayoutStats()
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise LayoutError(e.errno, f"py-kvcache root_dir '{root}' cannot be created: "
+                              f"{e.strerror}") from e
+        if not os.path.isdir(self.root):
+            raise LayoutError(errno.ENOTDIR, f"py-kvcache root_dir '{root}' is not a directory")
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise LayoutError(errno.EACCES, f"py-kvcache root_dir '{root}' is not writable")
+        self.base = os.path.join(self.root, ns.dirname())
+        self._ns_digest = ns.digest()
+        self._file_bytes = ns.file_bytes
+        try:
+            os.makedirs(os.path.join(self.base, ".writers"), exist_ok=True)
+            meta = os.path.join(self.base, "meta.json")
+            if not os.path.exists(meta):
+                tmp = f"{meta}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump({"format_version": FORMAT_VERSION, **asdict(ns)}, f, indent=1)
+                os.replace(tmp, meta)
+        except OSError as e:
+            raise LayoutError(e.errno, f"py-kvcache root_dir '{root}': cannot initialise "
+                              f"namespace directory: {e.strerror}") from e
+        self.ledger = Ledger(os.path.join(self.base, ".usage"))
+        self._tag = f"{_host_tag()}.{os.getpid()}"
+        self._writer_lock_path = os.path.join(self.base, ".writers", self._tag)
+        self._writer_fd = os.open(self._writer_lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._writer_fd, fcntl.LOCK_EX)
+        self._tmp_counter = itertools.count()
+        self._lru: list[tuple[float, str]] = []  # heap of (mtime, path) eviction candidates
+        self._made_dirs: set[str] = set()
+        if collect:
+            self.collect_dead_writers()
+
+    # ------------------------------------------------------------------ naming
+    def name_of(self, key: bytes) -> str:
+        return xxhash.xxh3_128_hexdigest(key)
+
+    def path_for(self, key: bytes) -> str:
+        """Final path of ``key`` (thread-safe, no I/O)."""
+        h = xxhash.xxh3_128_hexdigest(key)
+        return f"{self.base}/{h[:2]}/{h[2:4]}/{h}"
+
+    def exists(self, key: bytes) -> bool:
+        """True if ``key`` is published (one ``access`` syscall, no open). Thread-safe."""
+        h = xxhash.xxh3_128_hexdigest(key)
+        return os.access(f"{self.base}/{h[:2]}/{h[2:4]}/{h}", os.F_OK)
+
+    def temp_path_for(self, key: bytes) -> tuple[str, str]:
+        """(temp path, final path) for a new file of ``key``; creates the directory."""
+        final = self.path_for(key)
+        d = final[: final.rfind("/")]
+        if d not in self._made_dirs:
+            os.makedirs(d, exist_ok=True)
+            self._made_dirs.add(d)
+        return f"{d}/{TMP_PREFIX}{self._tag}.{next(self._tmp_counter)}", final
+
+    # ------------------------------------------------------------------ header
+    def fill_header(self, slot: memoryview, key: bytes, payload_len: int) -> int:
+        """Write the header for the payload already in ``slot[HEADER_BYTES:]``.
+
+        Returns the number of bytes to write (header + padded payload). The slot is
+        owned by the caller; nothing is kept.
+        """
+        if len(key) > MAX_KEY_BYTES:
+            raise ValueError(f"key longer than {MAX_KEY_BYTES} bytes")
+        total = HEADER_BYTES + round_up(payload_len)
+        if total > len(slot):
+            raise ValueError("payload does not fit the slot")
+        pad = total - HEADER_BYTES - payload_len
+        if pad:
+            slot[HEADER_BYTES + payload_len: total] = bytes(pad)
+        digest = xxhash.xxh3_64_intdigest(slot[HEADER_BYTES: HEADER_BYTES + payload_len])
+        HEADER_FMT.pack_into(slot, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, payload_len,
+                             self.ns.block_bytes, self._ns_digest, len(key), key, digest)
+        hh = xxhash.xxh3_64_intdigest(slot[: HEADER_FMT.size])
+        HEADER_HASH.pack_into(slot, HEADER_FMT.size, hh)
+        return total
+
+    def check_block(self, slot: memoryview, nread: int, key: bytes, verify: bool = True) -> int:
+        """Validate a file read into ``slot`` (``nread`` bytes). Returns the payload length.
+
+        Raises :class:`CorruptBlock` on a short file, bad magic/version/header hash,
+        other namespace or geometry, other key, or (``verify``) a payload checksum mismatch.
+        """
+        if nread < HEADER_BYTES:
+            raise CorruptBlock(f"truncated header ({nread} bytes)")
+        (magic, ver, hdr_bytes, payload_len, block_bytes, nsd, klen, kbytes,
+         digest) = HEADER_FMT.unpack_from(slot, 0)
+        if magic != MAGIC:
+            raise CorruptBlock("bad magic")
+        (hh,) = HEADER_HASH.unpack_from(slot, HEADER_FMT.size)
+        if hh != xxhash.xxh3_64_intdigest(slot[: HEADER_FMT.size]):
+            raise CorruptBlock("header checksum mismatch")
+        if ver != FORMAT_VERSION or hdr_bytes != HEADER_BYTES:
+            raise CorruptBlock(f"format version {ver} not supported")
+        if nsd != self._ns_digest or block_bytes != self.ns.block_bytes:
+            raise CorruptBlock("header geometry does not match this namespace")
+        if kbytes[:klen] != key:
+            raise CorruptBlock("key mismatch (hash collision or misplaced file)")
+        if payload_len > self.ns.block_bytes:
+            raise CorruptBlock("payload longer than a block")
+        if nread < HEADER_BYTES + payload_len:
+            raise CorruptBlock(f"truncated payload ({nread - HEADER_BYTES} of {payload_len})")
+        if verify and digest != xxhash.xxh3_64_intdigest(
+                slot[HEADER_BYTES: HEADER_BYTES + payload_len]):
+            raise CorruptBlock("payload checksum mismatch")
+        return payload_len
+
+    # ------------------------------------------------------------------ publish
+    def reserve(self, nbytes: int) -> bool:
+        """Make room for ``nbytes`` under ``max_disk_bytes`` (evicting LRU files).
+
+        Returns False when the bound cannot hold the block at all (store dropped).
+        """
+        if not self.max_disk_bytes:
+            return True
+        if nbytes > self.max_disk_bytes:
+            self.stats.dropped_over_capacity += 1
+            return False
+        used = self.ledger.get()
+        if used + nbytes <= self.max_disk_bytes:
+            return True
+        target = max(0, int(self.max_disk_bytes * 0.9) - nbytes)
+        self._evict_to(target)
+        return True
+
+    def publish(self, tmp: str, final: str, nbytes: int) -> bool:
+        """Atomically publish ``tmp`` as ``final``. The temp name is always removed.
+
+        Returns True if this call published the file, False if ``final`` already existed
+        (identical content by construction; counted in ``publish_existing``).
+        """
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            self.stats.publish_existing += 1
+            os.unlink(tmp)
+            return False
+        os.unlink(tmp)
+        self.stats.published += 1
+        if self.max_disk_bytes:
+            heapq.heappush(self._lru, (time.time(), final))
+        self.ledger.add(nbytes)
+        return True
+
+    def discard(self, tmp: str) -> None:
+        """Remove an unpublished temp file (write failed or was cancelled)."""
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+    def touch(self, key: bytes) -> None:
+        """Mark ``key`` recently used (called after a read hit)."""
+        if self.max_disk_bytes:
+            try:
+                os.utime(self.path_for(key))
+            except OSError:
+                pass
+
+    def remove(self, key: bytes) -> None:
+        """Remove a published file (e.g. found corrupt), keeping the ledger exact."""
+        path = self.path_for(key)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        self.ledger.add(-size)
+
+    # ------------------------------------------------------------------ eviction
+    def _iter_files(self):
+        """Yield os.DirEntry of every file (published and temp) in the namespace."""
+        try:
+            tops = list(os.scandir(self.base))
+        except FileNotFoundError:
+            return
+        for top in tops:
+            if not top.is_dir() or top.name.startswith("."):
+                continue
+            for sub in os.scandir(top.path):
+                if not sub.is_dir():
+                    continue
+                yield from os.scandir(sub.path)
+
+    def scan(self) -> tuple[int, int]:
+        """Rebuild the eviction candidates from disk; returns (files, bytes) published."""
+        lru: list[tuple[float, str]] = []
+        total = 0
+        for e in self._iter_files():
+            if e.name.startswith(TMP_PREFIX):
+                continue
+            try:
+                st = e.stat()
+            except FileNotFoundError:
+                continue
+            lru.append((st.st_mtime, e.path))
+            total += st.st_size
+        heapq.heapify(lru)
+        self._lru = lru
+        return len(lru), total
+
+    def _evict_to(self, target: int) -> None:
+        rescanned = False
+        while self.ledger.get() > target:
+            if not self._lru:
+                if rescanned:
+                    # Files are gone (another process evicted) but the ledger disagrees.
+                    _, total = self.scan()
+                    self.ledger.set(total)
+                    if total <= target or not self._lru:
+                        return
+                else:
+                    _, total = self.scan()
+                    self.ledger.set(total)
+                    rescanned = True
+                    continue
+            mtime, path = heapq.heappop(self._lru)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            if st.st_mtime > mtime + 1e-6:  # touched since: requeue with its new age
+                heapq.heappush(self._lru, (st.st_mtime, path))
+                continue
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            self.ledger.add(-st.st_size)
+            self.stats.evicted_files += 1
+            self.stats.evicted_bytes += st.st_size
+
+    # ------------------------------------------------------------------ crash recovery
+    def collect_dead_writers(self) -> int:
+        """Remove temp files of writer processes that died; returns files removed."""
+        wdir = os.path.join(self.base, ".writers")
+        dead: list[str] = []
+        for name in os.listdir(wdir):
+            if name == self._tag:
+                continue
+            p = os.path.join(wdir, name)
+            try:
+                fd = os.open(p, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # alive
+            dead.append(name)
+            os.unlink(p)
+            os.close(fd)
+        if not dead:
+            return 0
+        prefixes = tuple(f"{TMP_PREFIX}{d}." for d in dead)
+        removed = 0
+        total = 0
+        for e in self._iter_files():
+            if e.name.startswith(TMP_PREFIX):
+                if e.name.startswith(prefixes):
+                    try:
+                        os.unlink(e.path)
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+                continue
+            try:
+                total += e.stat().st_size
+            except FileNotFoundError:
+                pass
+        # A writer killed between link and ledger update leaves the ledger low: resync.
+        self.ledger.set(total)
+        self.stats.temp_collected += removed
+        return removed
+
+    def collect_stale_temps(self, max_age_s: float = 600.0) -> int:
+        """Remove temp files older than ``max_age_s`` whatever their owner (``kvcache gc``)."""
+        now = time.time()
+        removed = 0
+        for e in self._iter_files():
+            if e.name.startswith(TMP_PREFIX) and not e.name.startswith(
+                    f"{TMP_PREFIX}{self._tag}."):
+                try:
+                    if now - e.stat().st_mtime > max_age_s:
+                        os.unlink(e.path)
+                        removed += 1
+                except FileNotFoundError:
+                    pass
+        self.stats.temp_collected += removed
+        return removed
+
+    # ------------------------------------------------------------------ simple sync API
+    def write_block(self, key: bytes, payload: bytes | memoryview) -> bool:
+        """Synchronous store (tests, tools): header + payload, atomic publish.
+
+        Returns True if published, False if it existed or did not fit the bound.
+        """
+        if self.exists(key):
+            return False
+        buf = bytearray(self._file_bytes)
+        mv = memoryview(buf)
+        mv[HEADER_BYTES: HEADER_BYTES + len(payload)] = payload
+        n = self.fill_header(mv, key, len(payload))
+        if not self.reserve(n):
+            return False
+        tmp, final = self.temp_path_for(key)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, mv[:n])
+            if self.durable:
+                os.fdatasync(fd)
+        except BaseException:
+            os.close(fd)
+            self.discard(tmp)
+            raise
+        os.close(fd)
+        return self.publish(tmp, final, n)
+
+    def read_block(self, key: bytes, verify: bool = True) -> bytes | None:
+        """Synchronous load: payload bytes, or None on a miss or a corrupt file (removed)."""
+        try:
+            with open(self.path_for(key), "rb") as f:
+                data = f.read(self._file_bytes)
+        except FileNotFoundError:
+            return None
+        mv = memoryview(data)
+        try:
+            n = self.check_block(mv, len(data), key, verify)
+        except CorruptBlock:
+            self.remove(key)
+            return None
+        self.touch(key)
+        return bytes(mv[HEADER_BYTES: HEADER_BYTES + n])
+
+    def close(self) -> None:
+        """Release the writer lock (a clean exit leaves no entry in ``.writers``)."""
+        if self._writer_fd >= 0:
+            try:
+                os.unlink(self._writer_lock_path)
+            except FileNotFoundError:
+                pass
+            os.close(self._writer_fd)
+            self._writer_fd = -1
+            self.ledger.close()

@@ -1,0 +1,644 @@
+"""The reactor: ONE I/O thread that moves storage blocks between files, staging slots and
+the device.
+
+Threads and ownership
+---------------------
+* Client threads (vLLM's worker thread, tests, benchmarks) call :meth:`Reactor.load`,
+  :meth:`Reactor.store`, :meth:`Reactor.cancel`, :meth:`Reactor.poll` and
+  :meth:`Reactor.wait`. They never touch slots, fds or the allocator.
+* The reactor thread owns everything else: the :class:`SlotAllocator`, every slot's bytes
+  while a task holds it, every fd it opened, the I/O engine and the copier.
+
+One task per storage block
+--------------------------
+Load:  [DRAM hit: pin retained slot] or open (async, <= ``lookahead`` ahead) -> slot
+       (when ``io_depth`` allows) -> read whole file -> verify header + xxh3 -> joins the
+       batch of this iteration -> ONE ``copier.to_device`` for the batch -> when the copy is
+       done the slot is retained as DRAM cache (or freed).
+Store: slot -> ``copier.from_device`` -> header + checksum -> open temp (O_EXCL) -> write
+       -> [fdatasync] -> close -> atomic publish -> slot retained or freed. A store holds
+       one unit of ``io_depth`` from copy start to write completion.
+
+Priorities (R8): ready foreground reads > new foreground loads and stores > speculative
+loads. At most ONE speculative load is open or reading at a time; it may only take a
+slot above the ``io_depth`` foreground reservation; a foreground load arriving while the
+speculative file is open but not yet reading closes that fd and re-queues the preload.
+
+Errors never escape the reactor: a missing file is a miss, a short/corrupt/mismatched
+file is a counted miss (the file is removed), ENOSPC or any write error drops the store
+(counted, temp file removed). Each request completes exactly once with per-item status.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno as _errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .copy import Copier, NullCopier
+from .io import IOEngine, make_engine, probe_direct
+from .layout import HEADER_BYTES, CorruptBlock, Layout
+from .staging import Priority, SlotAllocator, StagingPool
+
+log = logging.getLogger(__name__)
+
+LOAD, STORE = 0, 1
+# task states
+(Q, OPENING, OPENED, READING, READY, COPY_OUT, COPY_IN, W_OPENING, WRITING, SYNCING,
+ CLOSING, DONE) = range(12)
+# op codes in the low bits of an I/O tag
+OP_OPEN, OP_READ, OP_WOPEN, OP_WRITE, OP_FSYNC, OP_CLOSE, OP_WCLOSE = range(7)
+OP_BITS = 3
+
+
+@dataclass
+class Completion:
+    """Outcome of one request. ``ok[i]`` is the status of item ``i`` of the request."""
+
+    req_id: Hashable
+    kind: str  # "load" or "store"
+    ok: list[bool]
+    cancelled: bool = False
+
+    @property
+    def success(self) -> bool:
+        return all(self.ok) and not self.cancelled
+
+
+@dataclass
+class ReactorStats:
+    loads_ok: int = 0
+    loads_dram: int = 0
+    loads_miss: int = 0
+    loads_corrupt: int = 0
+    loads_error: int = 0
+    stores_ok: int = 0
+    stores_existing: int = 0
+    stores_dropped_enospc: int = 0
+    stores_dropped_capacity: int = 0
+    stores_error: int = 0
+    spec_requeued: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    copy_batches: int = 0
+    peak_busy_slots: int = 0
+    pool_bytes: int = 0
+    slot_bytes: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak_staging_bytes(self) -> int:
+        return self.peak_busy_slots * self.slot_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["peak_staging_bytes"] = self.peak_staging_bytes
+        return d
+
+
+class _Task:
+    __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
+                 "slot", "fd", "tmp", "final", "cached", "handle", "wlen")
+
+    def reset(self) -> None:
+        self.ref = None
+        self.req = None
+        self.slot = -1
+        self.fd = -1
+        self.tmp = self.final = None
+        self.cached = False
+        self.handle = None
+        self.state = Q
+
+
+class _Request:
+    __slots__ = ("req_id", "kind", "ok", "remaining", "cancelled", "prio")
+
+    def __init__(self, req_id, kind, n, prio):
+        self.req_id = req_id
+        self.kind = kind
+        self.ok = [False] * n
+        self.remaining = n
+        self.cancelled = False
+        self.prio = prio
+
+
+class Reactor:
+    """Single-thread pipeline between a :class:`Layout`, a staging pool and a copier.
+
+    ``retain`` turns finished slots into a DRAM cache tier (``policy`` lru|arc).
+    ``on_complete`` (optional) is called on the reactor thread for every completion, in
+    addition to queueing it for :meth:`poll`; it must not block.
+    """
+
+    def __init__(self, layout: Layout, *, n_slots: int, io_depth: int = 8, lookahead: int = 8,
+                 retain: bool = False, policy: str = "lru", engine: str | IOEngine = "auto",
+                 direct_io: str = "auto", copier: Callable[[StagingPool, int], Copier]
+                 | None = None, pin: bool | str = "auto", verify: bool = True,
+                 on_complete: Callable[[Completion], None] | None = None,
+                 name: str = "kvcache-reactor") -> None:
+        self.layout = layout
+        self.slot_bytes = layout.ns.file_bytes
+        self.io_depth = io_depth
+        self.lookahead = max(1, lookahead)
+        self.verify = verify
+        if n_slots < io_depth + 1:
+            raise ValueError(f"staging pool of {n_slots} slots cannot serve io_depth "
+                             f"{io_depth} (need at least io_depth + 1)")
+        self.pool = StagingPool(n_slots, self.slot_bytes, pin=pin)
+        self.alloc = SlotAllocator(n_slots, reserve_foreground=io_depth, retain=retain,
+                                   policy=policy)
+        self.direct = probe_direct(layout.base, direct_io)
+        if isinstance(engine, IOEngine):
+            self.engine = engine
+        else:
+            entries = 2 * (io_depth + self.lookahead) + 16
+            self.engine = make_engine(engine, depth=io_depth, entries=entries,
+                                      force_async=not self.direct)
+        self.copier = (copier or NullCopier)(self.pool, HEADER_BYTES)
+        self._iov = [self.engine.make_iov(v) for v in self.pool.views]
+        self.stats = ReactorStats(pool_bytes=self.pool.nbytes, slot_bytes=self.slot_bytes)
+        self._on_complete = on_complete
+        self._rflags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
+        self._wflags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
+        # client -> reactor
+        self._inbox: collections.deque = collections.deque()
+        # reactor state
+        self._tasks: dict[int, _Task] = {}
+        self._free_tasks: list[_Task] = []
+        self._next_tid = 1
+        self._new_fg: collections.deque[_Task] = collections.deque()  # loads and stores
+        self._new_spec: collections.deque[_Task] = collections.deque()
+        self._opened_fg: collections.deque[_Task] = collections.deque()
+        self._opened_spec: collections.deque[_Task] = collections.deque()
+        self._ready: list[_Task] = []          # reads done this iteration -> one batch
+        self._copies: collections.deque = collections.deque()  # (handle, [tasks])
+        self._store_copies: list[_Task] = []
+        self._opening = 0
+        self._io_inflight = 0
+        self._spec_active: _Task | None = None
+        self._reqs: dict[Hashable, _Request] = {}
+        self._cqes: list[tuple[int, int]] = []
+        self._b_slots: list[int] = []
+        self._b_dests: list[Any] = []
+        self._b_nbytes: list[int] = []
+        # reactor -> client
+        self._done: collections.deque[Completion] = collections.deque()
+        self._cv = threading.Condition()
+        self._outstanding = 0
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ================================================================ client API
+    def load(self, req_id: Hashable, items: Sequence[tuple[bytes, Any, int]],
+             priority: Priority = Priority.FOREGROUND) -> None:
+        """Queue a load of ``items`` = [(key, dest, nbytes)]; completes via :meth:`poll`."""
+        self._submit(req_id, LOAD, items, priority)
+
+    def store(self, req_id: Hashable, items: Sequence[tuple[bytes, Any, int]]) -> None:
+        """Queue a store of ``items`` = [(key, src, nbytes)] (src: what the copier reads)."""
+        self._submit(req_id, STORE, items, Priority.FOREGROUND)
+
+    def cancel(self, req_id: Hashable) -> None:
+        """Cancel a request: tasks not yet reading/writing are dropped (completion says so)."""
+        self._inbox.append(("cancel", req_id))
+        self.engine.wake()
+
+    def _submit(self, req_id, kind, items, prio) -> None:
+        with self._cv:
+            self._outstanding += 1
+        self._inbox.append(("req", req_id, kind, list(items), prio))
+        self.engine.wake()
+
+    def poll(self) -> list[Completion]:
+        """Completions finished since the last call (any client thread)."""
+        out = []
+        done = self._done
+        while done:
+            out.append(done.popleft())
+        return out
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted request has completed. Returns False on timeout."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._outstanding:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Stop the thread (in-flight I/O is finished first) and free the pool."""
+        if not self._running:
+            return
+        self.wait(timeout=60)
+        self._running = False
+        self.engine.wake()
+        self._thread.join(timeout=30)
+        self.engine.shutdown()
+        self.pool.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        self.stats.peak_busy_slots = self.alloc.peak_busy
+        d = self.stats.as_dict()
+        d.update(engine=self.engine.name, direct_io=self.direct, cached_slots=self.alloc.cached,
+                 layout=dict(self.layout.stats.__dict__))
+        return d
+
+    # ================================================================ reactor thread
+    def _run(self) -> None:
+        try:
+            while self._running or self._inbox:
+                worked = self._step()
+                if not worked:
+                    timeout = 0.0002 if self._copies or self._store_copies else None
+                    if not self._running:
+                        timeout = 0.01
+                    self.engine.wait(timeout)
+        except BaseException:  # pragma: no cover - a bug; make it visible and fail requests
+            log.exception("py-kvcache reactor crashed")
+            self._fail_everything()
+            raise
+
+    def _step(self) -> bool:
+        worked = False
+        inbox = self._inbox
+        while inbox:
+            self._handle_msg(inbox.popleft())
+            worked = True
+        cq = self._cqes
+        if self.engine.reap(cq):
+            worked = True
+            for tag, res in cq:
+                self._on_cqe(tag, res)
+            cq.clear()
+        if self._copies and self._poll_copies():
+            worked = True
+        if self._store_copies and self._poll_store_copies():
+            worked = True
+        if self._schedule():
+            worked = True
+        if self._ready:
+            self._flush_batch()
+            worked = True
+        self.engine.submit()
+        return worked
+
+    # ---------------------------------------------------------------- inbox
+    def _handle_msg(self, msg) -> None:
+        if msg[0] == "cancel":
+            self._cancel(msg[1])
+            return
+        _, req_id, kind, items, prio = msg
+        req = _Request(req_id, kind, len(items), prio)
+        if not items:
+            self._complete(req)
+            return
+        self._reqs[req_id] = req
+        for i, (key, ref, nbytes) in enumerate(items):
+            t = self._new_task()
+            t.kind, t.key, t.ref, t.nbytes, t.req, t.idx, t.prio = (kind, key, ref, nbytes,
+                                                                    req, i, prio)
+            if kind == LOAD:
+                slot = self.alloc.pin(key)
+                if slot >= 0:  # DRAM tier hit: straight to the copy batch
+                    t.slot, t.cached, t.state = slot, True, READY
+                    self.stats.loads_dram += 1
+                    self._ready.append(t)
+                    continue
+                if prio == Priority.SPECULATIVE:
+                    self._new_spec.append(t)
+                    continue
+                self._preempt_spec()
+            self._new_fg.append(t)
+
+    def _new_task(self) -> _Task:
+        t = self._free_tasks.pop() if self._free_tasks else _Task()
+        t.reset()
+        t.tid = self._next_tid
+        self._next_tid += 1
+        self._tasks[t.tid] = t
+        return t
+
+    def _preempt_spec(self) -> None:
+        """A foreground load arrived: stop the speculative file that is open, not reading."""
+        t = self._spec_active
+        if t is not None and t.state == OPENED:
+            self._opened_spec.remove(t)
+            self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
+            t.fd = -1
+            t.state = Q
+            self._spec_active = None
+            self._new_spec.appendleft(t)
+            self.stats.spec_requeued += 1
+
+    def _cancel(self, req_id) -> None:
+        req = self._reqs.get(req_id)
+        if req is None:
+            return
+        req.cancelled = True
+        for dq in (self._new_fg, self._new_spec, self._opened_fg, self._opened_spec):
+            for t in [t for t in dq if t.req is req]:
+                dq.remove(t)
+                if t.fd >= 0:
+                    self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
+                    t.fd = -1
+                if t is self._spec_active:
+                    self._spec_active = None
+                self._finish(t, False)
+
+    # ---------------------------------------------------------------- scheduling
+    def _schedule(self) -> bool:
+        worked = False
+        alloc = self.alloc
+        eng = self.engine
+        # 1. ready foreground reads
+        while self._opened_fg and self._io_inflight < self.io_depth:
+            t = self._opened_fg[0]
+            slot = alloc.acquire(t.tid, Priority.FOREGROUND)
+            if slot < 0:
+                break
+            self._opened_fg.popleft()
+            self._start_read(t, slot)
+            worked = True
+        # 2. new foreground loads (open ahead) and stores, in arrival order
+        while self._new_fg:
+            t = self._new_fg[0]
+            if t.kind == LOAD:
+                if self._opening + len(self._opened_fg) >= self.lookahead:
+                    break
+                self._new_fg.popleft()
+                t.state = OPENING
+                self._opening += 1
+                eng.open((t.tid << OP_BITS) | OP_OPEN, self.layout.path_for(t.key), self._rflags)
+            else:
+                if self._io_inflight >= self.io_depth:
+                    break
+                if self.layout.exists(t.key):  # already stored by someone: nothing to do
+                    self._new_fg.popleft()
+                    self.stats.stores_existing += 1
+                    self._finish(t, True)
+                    worked = True
+                    continue
+                slot = alloc.acquire(t.tid, Priority.FOREGROUND)
+                if slot < 0:
+                    break
+                self._new_fg.popleft()
+                t.slot = slot
+                t.state = COPY_IN
+                self._io_inflight += 1
+                t.handle = self.copier.from_device(slot, t.ref, t.nbytes)
+                t.ref = None
+                self._store_copies.append(t)
+            worked = True
+        # 3. speculative: one at a time, above the foreground reservation
+        if self._spec_active is None and self._new_spec and not self._opened_fg:
+            t = self._new_spec.popleft()
+            self._spec_active = t
+            t.state = OPENING
+            self._opening += 1
+            eng.open((t.tid << OP_BITS) | OP_OPEN, self.layout.path_for(t.key), self._rflags)
+            worked = True
+        if self._opened_spec and not self._opened_fg and self._io_inflight < self.io_depth:
+            t = self._opened_spec[0]
+            slot = alloc.acquire(t.tid, Priority.SPECULATIVE)
+            if slot >= 0:
+                self._opened_spec.popleft()
+                self._start_read(t, slot)
+                worked = True
+        return worked
+
+    def _start_read(self, t: _Task, slot: int) -> None:
+        t.slot = slot
+        t.state = READING
+        self._io_inflight += 1
+        self.engine.read((t.tid << OP_BITS) | OP_READ, t.fd, self._iov[slot], 0)
+
+    # ---------------------------------------------------------------- completions
+    def _on_cqe(self, tag: int, res: int) -> None:
+        op = tag & ((1 << OP_BITS) - 1)
+        t = self._tasks.get(tag >> OP_BITS)
+        if op == OP_CLOSE or t is None:
+            return
+        if op == OP_OPEN:
+            self._opening -= 1
+            if t.req.cancelled:
+                if res >= 0:
+                    self.engine.close((t.tid << OP_BITS) | OP_CLOSE, res)
+                self._finish(t, False)
+                return
+            if res < 0:
+                if res == -_errno.ENOENT:
+                    self.stats.loads_miss += 1
+                else:
+                    self._count_error("open", res)
+                    self.stats.loads_error += 1
+                if t is self._spec_active:
+                    self._spec_active = None
+                self._finish(t, False)
+                return
+            t.fd = res
+            t.state = OPENED
+            (self._opened_spec if t.prio == Priority.SPECULATIVE else self._opened_fg).append(t)
+        elif op == OP_READ:
+            self._io_inflight -= 1
+            self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
+            t.fd = -1
+            if t is self._spec_active:
+                self._spec_active = None
+            if res < 0:
+                self._count_error("read", res)
+                self.stats.loads_error += 1
+                self._drop_slot(t)
+                self._finish(t, False)
+                return
+            try:
+                n = self.layout.check_block(self.pool.views[t.slot], res, t.key, self.verify)
+            except CorruptBlock as e:
+                log.warning("py-kvcache: %s: %s; treated as a miss and removed",
+                            self.layout.path_for(t.key), e)
+                self.stats.loads_corrupt += 1
+                self.layout.remove(t.key)
+                self._drop_slot(t)
+                self._finish(t, False)
+                return
+            self.stats.bytes_read += res
+            t.nbytes = min(t.nbytes, n) if t.nbytes else n
+            t.state = READY
+            self._ready.append(t)
+        elif op == OP_WOPEN:
+            if res < 0:
+                self._store_failed(t, "open", res)
+                return
+            t.fd = res
+            t.state = WRITING
+            self.engine.write((t.tid << OP_BITS) | OP_WRITE, res, self._write_iov(t), 0)
+        elif op == OP_WRITE:
+            if res != t.wlen:
+                self._store_failed(t, "write", res if res < 0 else -_errno.EIO)
+                return
+            self._io_inflight -= 1
+            self.stats.bytes_written += res
+            if self.layout.durable:
+                t.state = SYNCING
+                self.engine.fsync((t.tid << OP_BITS) | OP_FSYNC, t.fd)
+            else:
+                t.state = CLOSING
+                self.engine.close((t.tid << OP_BITS) | OP_WCLOSE, t.fd)
+        elif op == OP_FSYNC:
+            if res < 0:
+                self._io_inflight += 1  # _store_failed releases the depth unit
+                self._store_failed(t, "fsync", res)
+                return
+            t.state = CLOSING
+            self.engine.close((t.tid << OP_BITS) | OP_WCLOSE, t.fd)
+        elif op == OP_WCLOSE:
+            t.fd = -1
+            try:
+                published = self.layout.publish(t.tmp, t.final, t.wlen)
+            except OSError as e:
+                self.layout.discard(t.tmp)
+                self._count_error("publish", -(e.errno or _errno.EIO))
+                self.stats.stores_error += 1
+                self._drop_slot(t)
+                self._finish(t, False)
+                return
+            if published:
+                self.stats.stores_ok += 1
+            else:
+                self.stats.stores_existing += 1
+            self.alloc.release(t.slot, t.key)
+            t.slot = -1
+            self._finish(t, True)
+
+    def _write_iov(self, t: _Task):
+        if t.wlen == self.slot_bytes:
+            return self._iov[t.slot]
+        return self.pool.views[t.slot][:t.wlen]
+
+    def _poll_store_copies(self) -> bool:
+        progressed = False
+        keep = []
+        for t in self._store_copies:
+            if not self.copier.done(t.handle):
+                keep.append(t)
+                continue
+            t.handle = None
+            progressed = True
+            view = self.pool.views[t.slot]
+            t.wlen = self.layout.fill_header(view, t.key, t.nbytes)
+            if not self.layout.reserve(t.wlen):
+                self._io_inflight -= 1
+                self.stats.stores_dropped_capacity += 1
+                self._drop_slot(t)
+                self._finish(t, False)
+                continue
+            try:
+                t.tmp, t.final = self.layout.temp_path_for(t.key)
+            except OSError as e:
+                self._store_failed(t, "mkdir", -(e.errno or _errno.EIO))
+                continue
+            t.state = W_OPENING
+            self.engine.open((t.tid << OP_BITS) | OP_WOPEN, t.tmp, self._wflags)
+        self._store_copies = keep
+        return progressed
+
+    def _store_failed(self, t: _Task, what: str, res: int) -> None:
+        self._io_inflight -= 1
+        if t.fd >= 0:
+            self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
+            t.fd = -1
+        if t.tmp:
+            self.layout.discard(t.tmp)
+        if res in (-_errno.ENOSPC, -_errno.EDQUOT):
+            self.stats.stores_dropped_enospc += 1
+        else:
+            self._count_error(what, res)
+            self.stats.stores_error += 1
+        self._drop_slot(t)
+        self._finish(t, False)
+
+    # ---------------------------------------------------------------- device copies
+    def _flush_batch(self) -> None:
+        slots, dests, nbytes = self._b_slots, self._b_dests, self._b_nbytes
+        batch = self._ready
+        for t in batch:
+            slots.append(t.slot)
+            dests.append(t.ref)
+            nbytes.append(t.nbytes)
+            t.state = COPY_OUT
+        handle = self.copier.to_device(slots, dests, nbytes)
+        self.stats.copy_batches += 1
+        slots.clear()
+        dests.clear()
+        nbytes.clear()
+        self._ready = []
+        self._copies.append((handle, batch))
+        self._poll_copies()
+
+    def _poll_copies(self) -> bool:
+        progressed = False
+        copies = self._copies
+        while copies and self.copier.done(copies[0][0]):
+            _, batch = copies.popleft()
+            progressed = True
+            for t in batch:
+                if t.cached:
+                    self.alloc.unpin(t.slot)
+                else:
+                    self.alloc.release(t.slot, t.key)
+                    self.layout.touch(t.key)
+                t.slot = -1
+                self.stats.loads_ok += 1
+                self._finish(t, True)
+        return progressed
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _drop_slot(self, t: _Task) -> None:
+        if t.slot >= 0:
+            self.alloc.release(t.slot)
+            t.slot = -1
+
+    def _count_error(self, what: str, res: int) -> None:
+        name = f"{what}:{_errno.errorcode.get(-res, str(-res))}"
+        self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
+
+    def _finish(self, t: _Task, ok: bool) -> None:
+        req = t.req
+        req.ok[t.idx] = ok
+        req.remaining -= 1
+        t.state = DONE
+        del self._tasks[t.tid]
+        t.reset()
+        self._free_tasks.append(t)
+        if req.remaining == 0:
+            self._reqs.pop(req.req_id, None)
+            self._complete(req)
+
+    def _complete(self, req: _Request) -> None:
+        c = Completion(req.req_id, "load" if req.kind == LOAD else "store", req.ok,
+                       req.cancelled)
+        self._done.append(c)
+        if self._on_complete is not None:
+            try:
+                self._on_complete(c)
+            except Exception:  # pragma: no cover - callback bug must not kill the reactor
+                log.exception("py-kvcache: completion callback failed")
+        with self._cv:
+            self._outstanding -= 1
+            self._cv.notify_all()
+
+    def _fail_everything(self) -> None:  # pragma: no cover - only after a reactor bug
+        for req in list(self._reqs.values()):
+            req.remaining = 0
+            self._complete(req)
+        self._reqs.clear()
