@@ -49,6 +49,9 @@ from .staging import Priority, SlotAllocator, StagingPool
 log = logging.getLogger(__name__)
 
 LOAD, STORE = 0, 1
+# item flags
+IN_SLOT = 1   # load: the bytes are already in the (external) slot, skip the disk
+NO_DISK = 2   # store: fill the (external) slot only, do not write a file
 # task states
 (Q, OPENING, OPENED, READING, READY, COPY_OUT, COPY_IN, W_OPENING, WRITING, SYNCING,
  CLOSING, DONE) = range(12)
@@ -104,7 +107,7 @@ class ReactorStats:
 
 class _Task:
     __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
-                 "slot", "fd", "tmp", "final", "cached", "handle", "wlen")
+                 "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags")
 
     def reset(self) -> None:
         self.ref = None
@@ -113,6 +116,8 @@ class _Task:
         self.fd = -1
         self.tmp = self.final = None
         self.cached = False
+        self.ext = False
+        self.flags = 0
         self.handle = None
         self.state = Q
 
@@ -133,11 +138,16 @@ class Reactor:
     """Single-thread pipeline between a :class:`Layout`, a staging pool and a copier.
 
     ``retain`` turns finished slots into a DRAM cache tier (``policy`` lru|arc).
+    Items are ``(key, ref, nbytes)`` or ``(key, ref, nbytes, slot, flags)``: ``slot`` >= 0
+    names an external slot (index ``n_slots + i``) owned by the caller for the whole
+    request; a load with ``IN_SLOT`` takes the bytes already in that slot (no disk), a
+    store with ``NO_DISK`` only fills the slot. ``ref`` is what the copier reads/writes.
     ``on_complete`` (optional) is called on the reactor thread for every completion, in
     addition to queueing it for :meth:`poll`; it must not block.
     """
 
-    def __init__(self, layout: Layout, *, n_slots: int, io_depth: int = 8, lookahead: int = 8,
+    def __init__(self, layout: Layout, *, n_slots: int, external_slots: int = 0,
+                 io_depth: int = 8, lookahead: int = 8,
                  retain: bool = False, policy: str = "lru", engine: str | IOEngine = "auto",
                  direct_io: str = "auto", copier: Callable[[StagingPool, int], Copier]
                  | None = None, pin: bool | str = "auto", verify: bool = True,
@@ -151,7 +161,11 @@ class Reactor:
         if n_slots < io_depth + 1:
             raise ValueError(f"staging pool of {n_slots} slots cannot serve io_depth "
                              f"{io_depth} (need at least io_depth + 1)")
-        self.pool = StagingPool(n_slots, self.slot_bytes, pin=pin)
+        # One allocation: reactor-managed staging slots [0, n_slots), then caller-managed
+        # ("external") slots [n_slots, n_slots + external_slots), e.g. a DRAM tier whose
+        # index lives in vLLM's scheduler process.
+        self.n_staging = n_slots
+        self.pool = StagingPool(n_slots + external_slots, self.slot_bytes, pin=pin)
         self.alloc = SlotAllocator(n_slots, reserve_foreground=io_depth, retain=retain,
                                    policy=policy)
         self.direct = probe_direct(layout.base, direct_io)
@@ -304,11 +318,19 @@ class Reactor:
             self._complete(req)
             return
         self._reqs[req_id] = req
-        for i, (key, ref, nbytes) in enumerate(items):
+        for i, item in enumerate(items):
             t = self._new_task()
-            t.kind, t.key, t.ref, t.nbytes, t.req, t.idx, t.prio = (kind, key, ref, nbytes,
-                                                                    req, i, prio)
-            if kind == LOAD:
+            t.kind, t.key, t.ref, t.nbytes = kind, item[0], item[1], item[2]
+            t.req, t.idx, t.prio = req, i, prio
+            if len(item) > 3 and item[3] >= 0:
+                t.slot, t.ext, t.flags = item[3], True, item[4]
+                if kind == LOAD and t.flags & IN_SLOT:  # DRAM tier owned by the caller
+                    t.state = READY
+                    self.stats.loads_dram += 1
+                    self._ready.append(t)
+                    continue
+            key = t.key
+            if kind == LOAD and not t.ext:
                 slot = self.alloc.pin(key)
                 if slot >= 0:  # DRAM tier hit: straight to the copy batch
                     t.slot, t.cached, t.state = slot, True, READY
@@ -364,7 +386,7 @@ class Reactor:
         # 1. ready foreground reads
         while self._opened_fg and self._io_inflight < self.io_depth:
             t = self._opened_fg[0]
-            slot = alloc.acquire(t.tid, Priority.FOREGROUND)
+            slot = t.slot if t.ext else alloc.acquire(t.tid, Priority.FOREGROUND)
             if slot < 0:
                 break
             self._opened_fg.popleft()
@@ -383,13 +405,13 @@ class Reactor:
             else:
                 if self._io_inflight >= self.io_depth:
                     break
-                if self.layout.exists(t.key):  # already stored by someone: nothing to do
+                if not t.ext and self.layout.exists(t.key):  # already stored: nothing to do
                     self._new_fg.popleft()
                     self.stats.stores_existing += 1
                     self._finish(t, True)
                     worked = True
                     continue
-                slot = alloc.acquire(t.tid, Priority.FOREGROUND)
+                slot = t.slot if t.ext else alloc.acquire(t.tid, Priority.FOREGROUND)
                 if slot < 0:
                     break
                 self._new_fg.popleft()
@@ -410,7 +432,7 @@ class Reactor:
             worked = True
         if self._opened_spec and not self._opened_fg and self._io_inflight < self.io_depth:
             t = self._opened_spec[0]
-            slot = alloc.acquire(t.tid, Priority.SPECULATIVE)
+            slot = t.slot if t.ext else alloc.acquire(t.tid, Priority.SPECULATIVE)
             if slot >= 0:
                 self._opened_spec.popleft()
                 self._start_read(t, slot)
@@ -516,7 +538,8 @@ class Reactor:
                 self.stats.stores_ok += 1
             else:
                 self.stats.stores_existing += 1
-            self.alloc.release(t.slot, t.key)
+            if not t.ext:
+                self.alloc.release(t.slot, t.key)
             t.slot = -1
             self._finish(t, True)
 
@@ -534,6 +557,11 @@ class Reactor:
                 continue
             t.handle = None
             progressed = True
+            if t.ext and (t.flags & NO_DISK or self.layout.exists(t.key)):
+                self._io_inflight -= 1
+                self.stats.stores_existing += not (t.flags & NO_DISK)
+                self._finish(t, True)
+                continue
             view = self.pool.views[t.slot]
             t.wlen = self.layout.fill_header(view, t.key, t.nbytes)
             if not self.layout.reserve(t.wlen):
@@ -594,6 +622,9 @@ class Reactor:
             for t in batch:
                 if t.cached:
                     self.alloc.unpin(t.slot)
+                elif t.ext:
+                    if not t.flags & IN_SLOT:
+                        self.layout.touch(t.key)
                 else:
                     self.alloc.release(t.slot, t.key)
                     self.layout.touch(t.key)
@@ -604,7 +635,7 @@ class Reactor:
 
     # ---------------------------------------------------------------- bookkeeping
     def _drop_slot(self, t: _Task) -> None:
-        if t.slot >= 0:
+        if t.slot >= 0 and not t.ext:
             self.alloc.release(t.slot)
             t.slot = -1
 
