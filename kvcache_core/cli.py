@@ -84,6 +84,26 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_patch_vllm(args: argparse.Namespace) -> int:
+    from . import patching
+
+    try:
+        if args.check:
+            states = patching.check_series(args.target, args.vllm_version)
+        elif args.reverse:
+            states = patching.reverse_series(args.target, args.vllm_version)
+        else:
+            states = patching.apply_series(args.target, args.vllm_version)
+    except patching.PatchError as e:
+        print(f"kvcache patch-vllm: {e}", file=sys.stderr)
+        return 2
+    for s in states:
+        print(f"{s.name}: {s.state}")
+    if args.check:
+        return 0 if all(s.state == "applied" for s in states) else 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcache", description="py-kvcache: external KV cache for vLLM (DRAM + NVMe).",
@@ -119,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--max-age", type=float, default=600.0,
                     help="also remove any temp file older than this many seconds")
     gc.set_defaults(func=_cmd_gc)
+
+    pv = sub.add_parser(
+        "patch-vllm", help="apply / check / reverse the vLLM preload patches",
+        description="Apply py-kvcache's patch series (vllm_patches/v<version>/series) to a vLLM "
+        "checkout, a site-packages directory holding vllm/, or the vllm package directory. "
+        "Idempotent and all-or-nothing; another vLLM version is refused. Exit status with "
+        "--check: 0 all applied, 1 not (fully) applied, 2 error.")
+    pv.add_argument("--target", required=True, help="vLLM checkout or installed package dir")
+    g = pv.add_mutually_exclusive_group()
+    g.add_argument("--check", action="store_true", help="report the state, change nothing")
+    g.add_argument("--reverse", action="store_true", help="remove the patches")
+    pv.add_argument("--vllm-version", help="override the detected vLLM version")
+    pv.set_defaults(func=_cmd_patch_vllm)
     return p
 
 
