@@ -1,0 +1,360 @@
+"""Scheduler side: :class:`PyKVCacheManager` (vLLM's ``OffloadingManager``).
+
+Runs in vLLM's scheduler (EngineCore) process, called by ONE thread (the scheduler's),
+so it needs no locks. It owns:
+
+* the DRAM-tier index: a :class:`~kvcache_core.staging.SlotAllocator` over the
+  ``n_dram`` caller-owned ("external") slots that every worker's reactor pool appends
+  after its staging slots (slot ``i`` here = pool slot ``n_staging + i`` there, same
+  number on every rank). The scheduler decides which key lives in which slot; the
+  workers only move bytes where the specs say.
+* the disk tier is the shared directory itself: a key is on disk iff every rank's file
+  exists (one ``access`` per rank, no open, no in-memory index to go stale across
+  processes or restarts).
+
+Slot ownership: a slot handed out by :meth:`prepare_store` / :meth:`prepare_load` (BUSY)
+belongs to that job until vLLM calls :meth:`complete_store` / :meth:`complete_load`; then
+it is retained as CACHED (valid bytes for its key) or freed. A CACHED slot is pinned
+while a DRAM-hit load reads it. Keys whose store is in flight are a MISS.
+
+Failed loads (a missing or corrupt file, an invalid DRAM slot) are reported by the
+workers through :class:`~kvcache_core.vllm.connector.PyKVCacheWorkerMetadata` and
+arrive in :meth:`on_worker_report` BEFORE the job's :meth:`complete_load`, so a promotion
+that failed is never retained.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from ..layout import Layout, Namespace
+from ..reactor import IN_SLOT
+from ..staging import SlotAllocator
+from .specs import PyKVLoadSpec, PyKVStoreSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+
+log = logging.getLogger("vllm.pykvcache")
+
+#: Counters kept by the manager (cumulative; ``get_stats`` reports deltas).
+MANAGER_COUNTERS: dict[str, str] = {
+    "lookups": "Offload lookups (one per chunk key).",
+    "hits_dram": "Lookups served by the DRAM tier.",
+    "hits_disk": "Lookups served by the disk tier.",
+    "misses": "Lookups that missed (including keys whose store is in flight).",
+    "loads_dram": "Chunks loaded from the DRAM tier.",
+    "loads_disk": "Chunks loaded from disk (promotions included).",
+    "promotions": "Disk chunks loaded into a DRAM-tier slot (kept there on success).",
+    "stores": "Chunks stored (written through to disk).",
+    "stores_dram": "Stored chunks that also went into a DRAM-tier slot.",
+    "stores_skipped": "Chunks not stored because they are already cached or in flight.",
+    "dram_evictions": "DRAM-tier slots reclaimed from another key.",
+    "load_failures": "Chunk loads that failed (missing/corrupt file or invalid DRAM "
+    "slot); vLLM recomputed them.",
+}
+#: Counters reported by the workers (summed over ranks).
+WORKER_COUNTERS: dict[str, str] = {
+    "chunks_loaded_dram": "Worker: chunks copied to the device from a DRAM-tier slot.",
+    "chunks_loaded_disk": "Worker: chunks read from disk and copied to the device.",
+    "chunks_failed": "Worker: chunks whose load failed (rank-level).",
+    "files_corrupt": "Worker: cache files found corrupt/truncated (counted and removed).",
+    "files_missing": "Worker: cache files missing at read time.",
+    "load_errors": "Worker: other read errors.",
+    "dram_invalid": "Worker: DRAM-tier slots refused by the header check.",
+    "stores_written": "Worker: files published.",
+    "stores_existing": "Worker: stores skipped because the file already existed.",
+    "stores_dropped_enospc": "Worker: stores dropped because the disk was full.",
+    "stores_dropped_capacity": "Worker: stores dropped by the max_disk_bytes bound.",
+    "store_errors": "Worker: stores dropped by other write errors.",
+    "bytes_read": "Worker: bytes read from disk.",
+    "bytes_written": "Worker: bytes written to disk.",
+    "disk_evicted_files": "Worker: files evicted to honour max_disk_bytes.",
+}
+METRIC_PREFIX = "vllm:pykvcache_"
+
+
+class _DiskIndex:
+    """Read-only view of one rank's namespace directory: ``exists``/``path_for``.
+
+    Reuses :class:`Layout`'s own naming functions (they only read ``self.base``) without
+    constructing a ``Layout``: a Layout takes the per-process writer lock of its
+    namespace, which would deadlock against the worker's Layout when vLLM runs scheduler
+    and worker in one process, and it would collect temp files it does not own.
+    """
+
+    path_for = Layout.path_for
+    exists = Layout.exists
+
+    def __init__(self, root: str, ns: Namespace) -> None:
+        self.base = os.path.join(os.path.abspath(root), ns.dirname())
+
+
+class PyKVCacheManager(OffloadingManager):
+    """The DRAM-tier index and disk lookups (scheduler thread only; see module doc)."""
+
+    #: KV-event medium. Stored blocks are announced once (write-through: the disk copy
+    #: outlives any DRAM eviction, so DRAM evictions are not removals); a block found
+    #: corrupt or missing at load time is announced as removed.
+    medium = "PYKVCACHE"
+
+    def __init__(self, root_dir: str, namespaces: Sequence[Namespace], n_dram: int,
+                 eviction_policy: str = "lru", enable_events: bool = False) -> None:
+        self.disk = [_DiskIndex(root_dir, ns) for ns in namespaces]
+        self.n_dram = n_dram
+        self._policy = eviction_policy
+        self.dram: SlotAllocator | None = (
+            SlotAllocator(n_dram, retain=True, policy=eviction_policy) if n_dram > 0 else None)
+        self._slot_key: list[OffloadKey | None] = [None] * n_dram  # key retained in slot
+        self._owner = itertools.count(1)
+        self._storing: dict[OffloadKey, int] = {}  # key -> DRAM slot (-1: none) in flight
+        # (req_id, key) -> (dram slot or -1, "pin" | "promote" | "disk") for loads in flight
+        self._loading: dict[tuple[str, OffloadKey], tuple[int, str]] = {}
+        self._loading_refs: collections.Counter[OffloadKey] = collections.Counter()
+        self._failed: set[OffloadKey] = set()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._reported: dict[str, int] = {}
+        self._events_on = enable_events
+        self._events: list[OffloadingEvent] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _on_disk(self, key: OffloadKey) -> bool:
+        return all(d.exists(key) for d in self.disk)
+
+    def _acquire(self, evicted: list[OffloadKey] | None) -> int:
+        """A DRAM slot for a new job (BUSY), reclaiming the policy's victim if needed."""
+        assert self.dram is not None
+        slot = self.dram.acquire(next(self._owner))
+        if slot < 0:
+            return -1
+        old = self._slot_key[slot]
+        if old is not None:
+            self._slot_key[slot] = None
+            self.counters["dram_evictions"] += 1
+            if evicted is not None:
+                evicted.append(old)
+        return slot
+
+    def _retain(self, slot: int, key: OffloadKey) -> None:
+        assert self.dram is not None
+        self.dram.release(slot, key)
+        if self.dram.lookup(key) == slot:
+            self._slot_key[slot] = key
+
+    def _drop(self, key: OffloadKey) -> None:
+        if self.dram is None:
+            return
+        slot = self.dram.lookup(key)
+        if slot >= 0 and self.dram.drop(key):
+            self._slot_key[slot] = None
+
+    # ------------------------------------------------------------------ OffloadingManager
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self.counters["lookups"] += 1
+        if key in self._storing:
+            self.counters["misses"] += 1
+            return LookupResult.MISS
+        if self.dram is not None and self.dram.lookup(key) >= 0:
+            self.counters["hits_dram"] += 1
+            return LookupResult.HIT
+        if self._on_disk(key):
+            self.counters["hits_disk"] += 1
+            return LookupResult.HIT
+        self.counters["misses"] += 1
+        return LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey],
+                     req_context: ReqContext) -> PyKVLoadSpec:
+        """Pin the DRAM-cached keys (IN_SLOT loads), then give each other key a DRAM slot
+        to be read into (promotion) when the tier has one to spare, else -1 (the worker
+        reads through a staging slot). Pinning first means a promotion can never evict a
+        block this same load is about to read."""
+        req_id = req_context.req_id
+        keys = list(keys)
+        recs: list[tuple[int, str]] = [(-1, "disk")] * len(keys)
+        if self.dram is not None:
+            for i, key in enumerate(keys):
+                slot = self.dram.pin(key)
+                if slot >= 0:
+                    recs[i] = (slot, "pin")
+            for i in range(len(keys)):
+                if recs[i][1] == "disk":
+                    slot = self._acquire(None)
+                    if slot >= 0:
+                        recs[i] = (slot, "promote")
+        slots, flags = [], []
+        for key, rec in zip(keys, recs, strict=True):
+            how = rec[1]
+            self.counters["loads_dram" if how == "pin" else "loads_disk"] += 1
+            if how == "promote":
+                self.counters["promotions"] += 1
+            prev = self._loading.pop((req_id, key), None)
+            if prev is not None:  # pragma: no cover - vLLM issues one load per request
+                self._finish_load(key, prev, failed=True)
+            self._loading[(req_id, key)] = rec
+            self._loading_refs[key] += 1
+            slots.append(rec[0])
+            flags.append(IN_SLOT if how == "pin" else 0)
+        return PyKVLoadSpec(keys, slots, flags)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self.dram is None:
+            return
+        for key in keys:
+            if self.dram.lookup(key) >= 0:
+                self.dram.policy.hit(key)
+
+    def _finish_load(self, key: OffloadKey, rec: tuple[int, str], failed: bool) -> None:
+        slot, how = rec
+        if how == "pin":
+            assert self.dram is not None
+            self.dram.unpin(slot)
+            if failed:
+                self._drop(key)
+        elif how == "promote":
+            assert self.dram is not None
+            if failed:
+                self.dram.release(slot)
+            else:
+                self._retain(slot, key)
+        self._loading_refs[key] -= 1
+        if self._loading_refs[key] <= 0:
+            del self._loading_refs[key]
+            self._failed.discard(key)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        req_id = req_context.req_id
+        for key in keys:
+            rec = self._loading.pop((req_id, key), None)
+            if rec is not None:
+                self._finish_load(key, rec, failed=key in self._failed)
+
+    def prepare_store(self, keys: Collection[OffloadKey],
+                      req_context: ReqContext) -> PrepareStoreOutput:
+        to_store: list[OffloadKey] = []
+        slots: list[int] = []
+        evicted: list[OffloadKey] = []
+        # keys of this call that are DRAM-cached are pinned meanwhile: not evicted for it
+        pinned = [] if self.dram is None else [
+            s for s in (self.dram.pin(k) for k in keys) if s >= 0]
+        for key in keys:
+            if (key in self._storing
+                    or (self.dram is not None and self.dram.lookup(key) >= 0)
+                    or self._on_disk(key)):
+                self.counters["stores_skipped"] += 1
+                continue
+            slot = self._acquire(evicted) if self.dram is not None else -1
+            self._storing[key] = slot
+            to_store.append(key)
+            slots.append(slot)
+            self.counters["stores"] += 1
+            if slot >= 0:
+                self.counters["stores_dram"] += 1
+        for slot in pinned:
+            assert self.dram is not None
+            self.dram.unpin(slot)
+        return PrepareStoreOutput(keys_to_store=to_store,
+                                  store_spec=PyKVStoreSpec(to_store, slots),
+                                  evicted_keys=evicted)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        stored = []
+        for key in keys:
+            slot = self._storing.pop(key, None)
+            if slot is None:
+                continue
+            stored.append(key)
+            if slot >= 0:
+                assert self.dram is not None
+                if success:
+                    self._retain(slot, key)
+                else:
+                    self.dram.release(slot)
+        if self._events_on and stored and success:
+            self._events.append(OffloadingEvent(stored, self.medium, False))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Forget the DRAM tier (vLLM discards the in-flight jobs' completions and makes
+        the workers wait for them before new jobs run). Files on disk are shared and
+        persistent; they stay (remove them with ``kvcache gc`` or by deleting root_dir)."""
+        if self.dram is not None:
+            self.dram = SlotAllocator(self.n_dram, retain=True, policy=self._policy)
+        self._slot_key = [None] * self.n_dram
+        self._storing.clear()
+        self._loading.clear()
+        self._loading_refs.clear()
+        self._failed.clear()
+
+    # ------------------------------------------------------------------ worker reports
+    def on_worker_report(self, failed_keys: Iterable[bytes], counters: dict[str, int]) -> None:
+        """Failed chunk keys and counter deltas from the workers (called by the connector
+        before vLLM processes the same step's job completions)."""
+        failed_keys = [OffloadKey(k) for k in failed_keys]
+        if self._events_on and failed_keys:
+            self._events.append(OffloadingEvent(failed_keys, self.medium, True))
+        for key in failed_keys:
+            self.counters["load_failures"] += 1
+            if self._loading_refs.get(key):
+                self._failed.add(key)
+            else:
+                self._drop(key)
+        for name, v in counters.items():
+            self.counters[name] += v
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters of this engine (manager + worker-reported), plus gauges."""
+        out = {k: self.counters.get(k, 0) for k in (*MANAGER_COUNTERS, *WORKER_COUNTERS)}
+        out["dram_slots"] = self.n_dram
+        out["dram_cached"] = self.dram.cached if self.dram is not None else 0
+        return out
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Counter deltas since the last call (vLLM calls this only with stats logging on;
+        they become ``vllm:pykvcache_<name>`` Prometheus counters)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        delta = {}
+        for k, v in self.counters.items():
+            d = v - self._reported.get(k, 0)
+            if d:
+                delta[k] = d
+                self._reported[k] = v
+        if not delta:
+            return None
+        st = OffloadingConnectorStats()
+        for k, d in delta.items():
+            st.increase_counter(METRIC_PREFIX + k, d)
+        return st
+
+    def shutdown(self) -> None:
+        s = self.stats()
+        log.info("py-kvcache: scheduler stats: %s",
+                 " ".join(f"{k}={v}" for k, v in s.items() if v))

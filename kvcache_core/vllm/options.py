@@ -1,0 +1,237 @@
+"""Parsing and derivation of the vLLM-side settings (no vLLM import here).
+
+Everything that must be computed IDENTICALLY in vLLM's scheduler process and in every
+worker process lives here as pure functions of config-level facts: the parsed
+``kv_connector_extra_config`` (:func:`parse_extra_config`), the chunk geometry
+(:func:`resolve_blocks_per_chunk`), the storage namespace of each rank
+(:func:`make_namespace`) and the slot counts of the staging pool and of the DRAM tier
+(:func:`pool_geometry`). Worker tensor shapes never enter these computations, so the
+scheduler (which has no tensors) and the workers always agree on file names and on the
+DRAM slot numbering.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ConfigError, StorageConfig
+from ..layout import Namespace
+
+# A child of vLLM's logger: our lines appear in vLLM's log stream, with its format and
+# level (VLLM_LOGGING_LEVEL).
+log = logging.getLogger("vllm.pykvcache")
+_seed_set_by_us = False
+
+#: Private key the connector subclass injects into the extra config (both roles): the
+#: model's torch dtype as a string ("bfloat16"). vLLM's OffloadingConfig only carries the
+#: KV-cache dtype string, which is "auto" unless --kv-cache-dtype is given.
+MODEL_DTYPE_KEY = "_pykvcache_model_dtype"
+
+#: Keys that vLLM itself reads from kv_connector_extra_config for an OffloadingSpec
+#: (factory.py: spec_name/spec_module_path; offloading/config.py: block_size (also ours)
+#: and blocks_per_chunk; kv_offload/base.py: offload_prompt_only, self_describing_kv_events).
+VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk",
+                              "offload_prompt_only", "self_describing_kv_events")
+#: Keys of the vLLM glue itself (not storage-engine keys).
+GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy")
+PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY,)
+#: Public names from the design that this version does not implement: refusing them is
+#: better than silently running without the feature the operator asked for.
+RESERVED_KEYS: dict[str, str] = {
+    "preload_lookahead": "scheduler-driven preload needs the patched vLLM (not in this version)",
+    "breakeven_table": "the break-even gate is not in this version",
+}
+
+GLUE_KEY_HELP: dict[str, str] = {
+    "spec_name": "vLLM: the OffloadingSpec class, 'PyKVCacheSpec'.",
+    "spec_module_path": "vLLM: module of the spec, 'kvcache_core.vllm'.",
+    "blocks_per_chunk": "vLLM: GPU blocks per storage block (alternative to block_size; "
+    "give one of the two).",
+    "offload_prompt_only": "vLLM: store only prompt (prefill) KV, not decode KV "
+    "(default true).",
+    "self_describing_kv_events": "vLLM: richer BlockStored KV events (default false).",
+    "model_id": "Model identity used in the cache namespace instead of vLLM's model name/path "
+    "(set it when instances load the same weights from different paths).",
+    "load_failure_policy": "'recompute' (default): a missing/corrupt block is recomputed; "
+    "'fail': the request fails (vLLM's kv_load_failure_policy is set accordingly).",
+}
+
+DEFAULT_TOKENS_PER_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """The validated ``kv_connector_extra_config``."""
+
+    storage: StorageConfig
+    #: True if the user gave ``block_size`` (else ``StorageConfig.block_size`` is a default)
+    explicit_block_size: bool
+    blocks_per_chunk: int | None
+    offload_prompt_only: bool
+    model_id: str | None
+    load_failure_policy: str
+    model_dtype: str | None
+
+
+def _need(ok: bool, key: str, msg: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"py-kvcache config key '{key}': {msg} (got {value!r})")
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
+    """Validate vLLM's ``kv_connector_extra_config`` for py-kvcache.
+
+    Raises :class:`ConfigError` naming the key for an unknown key (a typo must not
+    silently run a default) or an invalid value. Pure function; called by the connector
+    subclass before vLLM builds anything, and again by the spec in every process.
+    """
+    d = dict(extra or {})
+    for key, why in RESERVED_KEYS.items():
+        if key in d:
+            raise ConfigError(f"py-kvcache config key '{key}': not supported: {why}")
+    public = (*StorageConfig.keys(), *VLLM_KEYS, *GLUE_KEYS)
+    for key in d:
+        if key not in public and key not in PRIVATE_KEYS:
+            close = difflib.get_close_matches(str(key), public, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"py-kvcache: unknown config key '{key}'{hint}; valid keys: "
+                              f"{', '.join(sorted(public))}")
+    storage = StorageConfig.from_dict(d, allowed_extra=VLLM_KEYS + GLUE_KEYS + PRIVATE_KEYS)
+    ex = storage.extra
+    bpc = ex.get("blocks_per_chunk")
+    if bpc is not None:
+        _need(isinstance(bpc, int) and not isinstance(bpc, bool) and bpc > 0,
+              "blocks_per_chunk", "must be a positive integer", bpc)
+        if "block_size" in d:
+            raise ConfigError("py-kvcache config keys 'block_size' and 'blocks_per_chunk': "
+                              "give only one of them")
+    opo = ex.get("offload_prompt_only", True)
+    _need(isinstance(opo, bool), "offload_prompt_only", "must be true or false", opo)
+    sdk = ex.get("self_describing_kv_events", False)
+    _need(isinstance(sdk, bool), "self_describing_kv_events", "must be true or false", sdk)
+    for key in ("spec_name", "spec_module_path"):
+        if key in ex:
+            _need(isinstance(ex[key], str) and ex[key] != "", key, "must be a non-empty string",
+                  ex[key])
+    model_id = ex.get("model_id")
+    if model_id is not None:
+        _need(isinstance(model_id, str) and model_id.strip() != "", "model_id",
+              "must be a non-empty string", model_id)
+    policy = ex.get("load_failure_policy", "recompute")
+    _need(policy in ("recompute", "fail"), "load_failure_policy",
+          "must be 'recompute' or 'fail'", policy)
+    return VllmOptions(storage=storage, explicit_block_size="block_size" in d,
+                       blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
+                       load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY))
+
+
+def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:
+    """``block_size`` must be a positive multiple of vLLM's GPU block size."""
+    if opts.explicit_block_size:
+        bs = opts.storage.block_size
+        if bs % gpu_tokens_per_block:
+            raise ConfigError(
+                f"py-kvcache config key 'block_size': {bs} tokens is not a multiple of "
+                f"vLLM's GPU block size ({gpu_tokens_per_block} tokens)")
+
+
+def resolve_blocks_per_chunk(opts: VllmOptions, tokens_per_block: Sequence[int],
+                             vllm_blocks_per_chunk: int) -> int:
+    """GPU blocks per storage block.
+
+    ``block_size`` / ``blocks_per_chunk`` given: vLLM's own value (already derived from
+    them). Neither given: vLLM would use ONE GPU block per file (16 tokens on CUDA: tiny
+    files, metadata-bound); py-kvcache uses its default of 256 tokens instead.
+    """
+    if opts.explicit_block_size or opts.blocks_per_chunk is not None:
+        return vllm_blocks_per_chunk
+    tpb = max(tokens_per_block) if tokens_per_block else DEFAULT_TOKENS_PER_CHUNK
+    return max(1, DEFAULT_TOKENS_PER_CHUNK // tpb)
+
+
+def ensure_hash_seed() -> str:
+    """Make vLLM's block-hash seed stable across processes; return the seed in use.
+
+    vLLM 0.26 seeds its block-hash chain (``NONE_HASH``) from ``os.urandom`` unless
+    ``PYTHONHASHSEED`` is set, which silently makes every process compute different keys.
+    The scheduler-side spec is built before EngineCore calls ``init_none_hash``, so
+    setting the variable here (when unset) is enough. ``random`` is refused.
+    """
+    global _seed_set_by_us
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed == "0" and _seed_set_by_us:
+        return seed  # this process already set (and logged) it
+    if seed is None:
+        _seed_set_by_us = True
+        os.environ["PYTHONHASHSEED"] = "0"
+        log.info("py-kvcache: PYTHONHASHSEED was unset; set it to 0 so that vLLM's block "
+                 "hashes (the cache keys) are stable across processes and restarts")
+        return "0"
+    if seed == "random":
+        raise ConfigError(
+            "py-kvcache: PYTHONHASHSEED=random makes vLLM seed its block hashes randomly, so "
+            "no other process (or restart) could ever find this instance's cache files. "
+            "Unset it (py-kvcache then uses 0) or set a fixed value shared by all instances.")
+    log.info("py-kvcache: PYTHONHASHSEED=%s: block hashes are stable; every instance sharing "
+             "root_dir must use the same value to share blocks", seed)
+    return seed
+
+
+def namespace_dtype(model_dtype: str | None, cache_dtype: str) -> str:
+    """dtype field of the namespace: model dtype, plus the KV-cache dtype when not 'auto'.
+
+    Without the model dtype the cache-dtype string is used, identically in every process
+    (PyKVCacheSpec itself refuses to run without our connector subclass, which injects it).
+    """
+    cache_dtype = cache_dtype.replace("torch.", "")
+    if model_dtype is None:
+        return f"kv:{cache_dtype}"
+    model_dtype = model_dtype.replace("torch.", "")
+    return model_dtype if cache_dtype == "auto" else f"{model_dtype}/kv:{cache_dtype}"
+
+
+def kv_layout_string(*, tokens_per_block: Sequence[int], blocks_per_chunk: int,
+                     worker_kv_bytes_per_block: int, tokens_per_hash: int, tp_size: int,
+                     pp_size: int, pcp_size: int, dcp_size: int, device: str | None) -> str:
+    """Config-level description of how a chunk's bytes are arranged (namespace field)."""
+    tpb = "/".join(str(t) for t in tokens_per_block)
+    return (f"tpb={tpb};bpc={blocks_per_chunk};wkb={worker_kv_bytes_per_block};"
+            f"tph={tokens_per_hash};tp={tp_size};pp={pp_size};pcp={pcp_size};"
+            f"dcp={dcp_size};dev={device or '?'}")
+
+
+def make_namespace(*, model: str, dtype: str, tokens_per_chunk: int, block_bytes: int,
+                   rank: int, world_size: int, kv_layout: str) -> Namespace:
+    """The :class:`Namespace` of one rank (the scheduler computes every rank's)."""
+    return Namespace(model=model, dtype=dtype, block_size=tokens_per_chunk,
+                     block_bytes=block_bytes, tp_rank=rank, tp_size=world_size,
+                     kv_layout=kv_layout)
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    slot_bytes: int
+    n_staging: int
+    n_dram: int
+
+
+def pool_geometry(cfg: StorageConfig, ns: Namespace) -> PoolGeometry:
+    """Slot size and slot counts (per worker process).
+
+    ``slot_bytes`` = one file = 4 KiB header + payload rounded to 4 KiB. Staging slots =
+    ``staging_bytes // slot_bytes`` (>= io_depth + copy_headroom, else ConfigError);
+    DRAM slots = ``dram_cache_bytes // slot_bytes``.
+    """
+    slot = ns.file_bytes
+    cfg.check_pool(slot)
+    n_dram = cfg.dram_cache_bytes // slot
+    if cfg.dram_cache_bytes and n_dram == 0:
+        raise ConfigError(f"py-kvcache config key 'dram_cache_bytes': {cfg.dram_cache_bytes} "
+                          f"bytes hold no slot of {slot} bytes (one storage block); use 0 to "
+                          f"disable the DRAM tier or at least {slot}")
+    return PoolGeometry(slot_bytes=slot, n_staging=cfg.staging_bytes // slot, n_dram=n_dram)

@@ -1,0 +1,133 @@
+""":class:`PyKVCacheSpec`: the ``OffloadingSpec`` vLLM loads by name.
+
+vLLM builds the spec twice per engine: once in the scheduler process (for
+:meth:`get_manager`) and once in every worker process (for :meth:`get_worker`), each time
+from an ``OffloadingConfig`` (rank 0 on the scheduler side). Everything both sides must
+agree on (chunk geometry, every rank's namespace, slot counts) is derived here from
+config-level facts only, so the two constructions compute the same values.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingCounterMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from ..config import ConfigError
+from .manager import MANAGER_COUNTERS, METRIC_PREFIX, WORKER_COUNTERS, PyKVCacheManager
+from .options import (
+    check_block_size,
+    ensure_hash_seed,
+    kv_layout_string,
+    make_namespace,
+    namespace_dtype,
+    parse_extra_config,
+    pool_geometry,
+    resolve_blocks_per_chunk,
+)
+
+log = logging.getLogger("vllm.pykvcache")
+
+
+def _device_type() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type)
+    except Exception:  # pragma: no cover - platform detection failed
+        return "?"
+
+
+class PyKVCacheSpec(OffloadingSpec):
+    """py-kvcache for vLLM's OffloadingConnector: DRAM tier + shared disk tier.
+
+    Raises :class:`~kvcache_core.config.ConfigError` (naming the key) for an unknown
+    extra-config key or a bad value, and for ``PYTHONHASHSEED=random``.
+    """
+
+    @classmethod
+    def build_metric_definitions(
+            cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """Prometheus counters for :meth:`PyKVCacheManager.get_stats`."""
+        return {METRIC_PREFIX + k: OffloadingCounterMetadata(documentation=doc)
+                for k, doc in (*MANAGER_COUNTERS.items(), *WORKER_COUNTERS.items())}
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.options = parse_extra_config(config.extra_config)
+        self.storage = self.options.storage
+        if self.options.model_dtype is None:
+            raise ConfigError(
+                "py-kvcache: set \"kv_connector_module_path\": \"kvcache_core.vllm\" next to "
+                "\"kv_connector\": \"OffloadingConnector\". vLLM's stock connector class cannot "
+                "report a chunk that fails to load (a file evicted by another instance, or "
+                "corrupt), so the request would run on garbage KV; py-kvcache's subclass "
+                "reports it and vLLM recomputes the chunk.")
+        self.hash_seed = ensure_hash_seed()
+        tpb = tuple(self.tokens_per_block)
+        if tpb:
+            check_block_size(self.options, tpb[0])
+        self.blocks_per_chunk = resolve_blocks_per_chunk(self.options, tpb,
+                                                         self.blocks_per_chunk)
+        wkb = config.worker_kv_bytes_per_block
+        if wkb <= 0:
+            raise RuntimeError("py-kvcache: vLLM reports 0 KV bytes per block (no KV cache)")
+        par = config.parallel
+        dtype = namespace_dtype(self.options.model_dtype, config.model.dtype)
+        self.tokens_per_chunk = (tpb[0] if tpb else 1) * self.blocks_per_chunk
+        layout = kv_layout_string(
+            tokens_per_block=tpb, blocks_per_chunk=self.blocks_per_chunk,
+            worker_kv_bytes_per_block=wkb, tokens_per_hash=self.tokens_per_hash,
+            tp_size=par.tp_size, pp_size=par.pp_size, pcp_size=par.pcp_size,
+            dcp_size=par.dcp_size, device=_device_type())
+        model = self.options.model_id or config.model.name
+        self.rank = par.rank
+        self.world_size = par.world_size
+        self.namespaces = [
+            make_namespace(model=model, dtype=dtype, tokens_per_chunk=self.tokens_per_chunk,
+                           block_bytes=wkb * self.blocks_per_chunk, rank=r,
+                           world_size=par.world_size, kv_layout=layout)
+            for r in range(par.world_size)]
+        self.pool = pool_geometry(self.storage, self.namespaces[0])
+        # max_disk_bytes bounds the engine's whole namespace: each rank gets its share.
+        mdb = self.storage.max_disk_bytes
+        self.max_disk_bytes_per_rank = max(1, mdb // par.world_size) if mdb else 0
+        if mdb and self.max_disk_bytes_per_rank < self.pool.slot_bytes:
+            log.warning("py-kvcache: max_disk_bytes=%d gives each of %d ranks less than one "
+                        "file (%d B): every store will be dropped", mdb, par.world_size,
+                        self.pool.slot_bytes)
+        self._manager: PyKVCacheManager | None = None
+        self._worker: OffloadingWorker | None = None
+        log.info("py-kvcache: rank %d/%d root %s namespace %s (%s, %s), %d tokens = %d B per "
+                 "file, staging %d slots, DRAM tier %d slots (%d B per worker)",
+                 self.rank, self.world_size, self.storage.root_dir,
+                 self.namespaces[self.rank].dirname(), model, dtype, self.tokens_per_chunk,
+                 self.pool.slot_bytes, self.pool.n_staging, self.pool.n_dram,
+                 self.pool.n_dram * self.pool.slot_bytes)
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = PyKVCacheManager(
+                self.storage.root_dir, self.namespaces, self.pool.n_dram,
+                eviction_policy=self.storage.eviction_policy,
+                enable_events=self.kv_events_config.enable_kv_cache_events)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            from .worker import PyKVCacheWorker
+
+            self._worker = PyKVCacheWorker(
+                kv_caches, storage=self.storage, namespace=self.namespaces[self.rank],
+                pool=self.pool, blocks_per_chunk=self.blocks_per_chunk,
+                max_disk_bytes=self.max_disk_bytes_per_rank, rank=self.rank)
+        return self._worker

@@ -1,0 +1,43 @@
+"""LoadStoreSpecs that travel from vLLM's scheduler to the workers (inside the connector
+metadata, pickled in multiprocess mode): which keys, and which DRAM-tier slot each uses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vllm.v1.kv_offload.base import LoadStoreSpec
+
+
+class PyKVStoreSpec(LoadStoreSpec):
+    """Destination of a store job: chunk ``i`` is ``keys[i]``, copied into DRAM-tier slot
+    ``dram_slots[i]`` (then written through to disk), or through a reactor staging slot
+    when ``dram_slots[i] == -1``. Keys are in the order of the chunks of the job's
+    ``GPULoadStoreSpec`` (group-major, chunk order)."""
+
+    def __init__(self, keys: Sequence[bytes], dram_slots: Sequence[int]) -> None:
+        if len(keys) != len(dram_slots):
+            raise ValueError("keys and dram_slots differ in length")
+        self.keys: list[bytes] = list(keys)
+        self.dram_slots: list[int] = list(dram_slots)
+
+    def __repr__(self) -> str:
+        return f"PyKVStoreSpec(n={len(self.keys)}, dram_slots={self.dram_slots})"
+
+
+class PyKVLoadSpec(LoadStoreSpec):
+    """Source of a load job: chunk ``i`` is ``keys[i]``. ``flags[i]`` has
+    :data:`kvcache_core.reactor.IN_SLOT` when the bytes are already in DRAM-tier slot
+    ``dram_slots[i]`` (a DRAM hit); otherwise the file is read into ``dram_slots[i]``
+    (promotion) or, when it is -1, into a reactor staging slot."""
+
+    def __init__(self, keys: Sequence[bytes], dram_slots: Sequence[int],
+                 flags: Sequence[int]) -> None:
+        if not len(keys) == len(dram_slots) == len(flags):
+            raise ValueError("keys, dram_slots and flags differ in length")
+        self.keys: list[bytes] = list(keys)
+        self.dram_slots: list[int] = list(dram_slots)
+        self.flags: list[int] = list(flags)
+
+    def __repr__(self) -> str:
+        return (f"PyKVLoadSpec(n={len(self.keys)}, dram_slots={self.dram_slots}, "
+                f"flags={self.flags})")

@@ -1,0 +1,369 @@
+"""KV geometry and the KV copier: which bytes of vLLM's KV cache go where in a slot.
+
+Slot payload layout (one storage block = one chunk of ``blocks_per_chunk`` GPU blocks of
+one KV-cache group): for each canonical KV tensor of the group, in tensor order, the
+chunk's ``blocks_per_chunk`` pages back to back::
+
+    | header 4 KiB | T0 p0 | T0 p1 | ... | T0 p(bpc-1) | T1 p0 | ... | pad to 4 KiB |
+
+A partial chunk (a load that skips the first ``block_indices % blocks_per_chunk``
+sub-blocks, see vLLM's ``compute_sub_block_ptrs``) still uses the full-chunk offsets, so
+the file bytes never depend on how much of the chunk a request needed.
+
+One function, :meth:`KVGeometry.ops`, turns a chunk into copy descriptors (tensor index,
+byte offset in the KV tensor, byte offset in the pool, size). Every execution path uses
+those same descriptors: the CPU path (per-descriptor torch slice copies, used on vLLM's
+CPU platform and in CI), the CUDA path (ONE ``vllm._custom_ops.swap_blocks_batch`` call
+over raw pointers per batch) and the CUDA fallback (per-descriptor ``copy_(non_blocking)``
+on a dedicated stream).
+
+Threads: :class:`KVGeometry` is built by the worker thread and read-only afterwards.
+:class:`KVCopier` methods run on the reactor thread only (the reactor's contract).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..copy import Copier
+from ..layout import HEADER_BYTES, CorruptBlock, Layout
+from ..staging import StagingPool
+
+log = logging.getLogger("vllm.pykvcache")
+N_STORE_STREAMS = 8
+
+
+class ChunkRef:
+    """One storage block of a job, as the copier sees it (the reactor's ``ref``).
+
+    ``gpu_ids`` are the GPU blocks of this chunk that the job moves, which are sub-blocks
+    ``sub_start .. sub_start + len(gpu_ids) - 1`` of the chunk. ``check_header``: the
+    bytes come from a DRAM-tier slot and must be validated before use. ``failed`` is set by
+    the copier (reactor thread) when it refused the chunk; the worker reads it only after
+    the job's completion. ``after``: CUDA event the store copy waits on (None on CPU).
+    """
+
+    __slots__ = ("key", "group", "gpu_ids", "sub_start", "check_header", "failed", "after")
+
+    def __init__(self, key: bytes, group: int, gpu_ids: np.ndarray, sub_start: int) -> None:
+        self.key = key
+        self.group = group
+        self.gpu_ids = gpu_ids
+        self.sub_start = sub_start
+        self.check_header = False
+        self.failed = False
+        self.after: Any = None
+
+    def __repr__(self) -> str:
+        return (f"ChunkRef(group={self.group}, gpu_ids={self.gpu_ids.tolist()}, "
+                f"sub_start={self.sub_start})")
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Tensors of one KV-cache group and their offsets inside a chunk payload."""
+
+    tensor_idx: tuple[int, ...]
+    payload_offset: tuple[int, ...]
+    payload_bytes: int  # bytes of one full chunk of this group
+    gpu_block_bytes: int  # bytes of one GPU block of this group (all its tensors)
+
+
+class KVGeometry:
+    """The worker's KV tensors (from vLLM's ``CanonicalKVCaches``) and the chunk layout."""
+
+    def __init__(self, tensors: Sequence[Any], group_data_refs: Sequence[Sequence[Any]],
+                 blocks_per_chunk: int) -> None:
+        """``tensors``: CanonicalKVCacheTensor-likes (``.tensor`` of shape (num_blocks,
+        row) with unit inner stride, ``.page_size_bytes``); ``group_data_refs``: per group,
+        refs with ``.tensor_idx``."""
+        if blocks_per_chunk <= 0:
+            raise ValueError("blocks_per_chunk must be > 0")
+        if not tensors:
+            raise ValueError("no KV cache tensors")
+        self.bpc = blocks_per_chunk
+        self.flat: list[torch.Tensor] = []
+        self.page: list[int] = []
+        self.row_stride: list[int] = []
+        self.num_blocks: list[int] = []
+        for ct in tensors:
+            t = ct.tensor
+            u = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+            if u.ndim != 2 or u.stride(1) != 1:
+                raise ValueError(f"KV tensor must be (num_blocks, bytes) with unit inner "
+                                 f"stride, got shape {tuple(u.shape)} stride {u.stride()}")
+            nb, rs, page = u.shape[0], u.stride(0), int(ct.page_size_bytes)
+            if page > rs or page > u.shape[1]:
+                raise ValueError(f"page_size_bytes {page} exceeds the row ({u.shape[1]} B, "
+                                 f"stride {rs} B)")
+            self.flat.append(u.as_strided(((nb - 1) * rs + page,), (1,), u.storage_offset()))
+            self.page.append(page)
+            self.row_stride.append(rs)
+            self.num_blocks.append(nb)
+        self.device = self.flat[0].device
+        self.groups: list[GroupPlan] = []
+        for refs in group_data_refs:
+            idx = tuple(sorted({int(r.tensor_idx) for r in refs}))
+            offs, off = [], 0
+            for ti in idx:
+                offs.append(off)
+                off += self.page[ti] * blocks_per_chunk
+            self.groups.append(GroupPlan(idx, tuple(offs), off,
+                                         sum(self.page[ti] for ti in idx)))
+        self.max_payload = max((g.payload_bytes for g in self.groups), default=0)
+
+    def payload_bytes(self, group: int) -> int:
+        return self.groups[group].payload_bytes
+
+    def describe(self) -> str:
+        return ", ".join(f"T{i}[{n}x{p}B stride {s}]" for i, (n, p, s) in
+                         enumerate(zip(self.num_blocks, self.page, self.row_stride, strict=True)))
+
+    # ------------------------------------------------------------------ mapping
+    def split(self, gpu_spec: Any, keys: Sequence[bytes]) -> list[ChunkRef]:
+        """Map a job's ``GPULoadStoreSpec`` onto its chunks (``keys`` in chunk order).
+
+        Per group ``g`` (``group_sizes[g]`` GPU blocks; the first chunk skips
+        ``block_indices[g] % blocks_per_chunk`` sub-blocks), chunk ``c`` takes the next
+        ``min(bpc - skip_c, remaining)`` GPU blocks. Raises ValueError when the spec and
+        the keys disagree (a bug, never data-dependent).
+        """
+        bpc = self.bpc
+        block_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+        sizes = list(gpu_spec.group_sizes) if gpu_spec.group_sizes is not None \
+            else [len(block_ids)]
+        indices = list(gpu_spec.block_indices) if gpu_spec.block_indices is not None \
+            else [0] * len(sizes)
+        if len(sizes) != len(self.groups):
+            raise ValueError(f"spec has {len(sizes)} KV groups, the worker {len(self.groups)}")
+        refs: list[ChunkRef] = []
+        k = 0
+        g_off = 0
+        for g, (gsize, bidx) in enumerate(zip(sizes, indices, strict=False)):
+            if gsize == 0:
+                continue
+            skip = int(bidx) % bpc
+            ids = block_ids[g_off:g_off + gsize]
+            pos = 0
+            first = True
+            while pos < gsize:
+                sub = skip if first else 0
+                n = min(bpc - sub, gsize - pos)
+                if k >= len(keys):
+                    raise ValueError(f"GPU spec needs more chunks than the {len(keys)} keys")
+                key = keys[k]
+                if int.from_bytes(key[-4:], "big") != g:
+                    raise ValueError(f"chunk {k}: key belongs to group "
+                                     f"{int.from_bytes(key[-4:], 'big')}, GPU blocks to {g}")
+                refs.append(ChunkRef(key, g, ids[pos:pos + n], sub))
+                pos += n
+                k += 1
+                first = False
+            g_off += gsize
+        if k != len(keys) or g_off != len(block_ids):
+            raise ValueError(f"GPU spec ({len(block_ids)} blocks, {k} chunks) does not match "
+                             f"{len(keys)} keys")
+        for ref in refs:
+            if len(ref.gpu_ids) and (ref.gpu_ids.min() < 0 or ref.gpu_ids.max() >=
+                                     min(self.num_blocks[t] for t in
+                                         self.groups[ref.group].tensor_idx)):
+                raise ValueError(f"GPU block id out of range in {ref}")
+        return refs
+
+    def ops(self, ref: ChunkRef, slot_base: int) -> tuple[np.ndarray, ...]:
+        """Copy descriptors of one chunk whose slot payload starts at pool byte
+        ``slot_base``: (tensor index, KV byte offset, pool byte offset, size) arrays, one
+        entry per (tensor, GPU block). The same offsets serve both directions."""
+        plan = self.groups[ref.group]
+        n = len(ref.gpu_ids)
+        subs = ref.sub_start + np.arange(n, dtype=np.int64)
+        tix, kvo, plo, szs = [], [], [], []
+        for ti, toff in zip(plan.tensor_idx, plan.payload_offset, strict=True):
+            page = self.page[ti]
+            tix.append(np.full(n, ti, dtype=np.int64))
+            kvo.append(ref.gpu_ids * self.row_stride[ti])
+            plo.append(slot_base + toff + subs * page)
+            szs.append(np.full(n, page, dtype=np.int64))
+        return (np.concatenate(tix), np.concatenate(kvo), np.concatenate(plo),
+                np.concatenate(szs))
+
+
+def _concat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate(col) for col in zip(*parts, strict=True))
+
+
+class _CudaHandle:
+    __slots__ = ("event", "post", "keep")
+
+    def __init__(self, event: Any, keep: Any) -> None:
+        self.event = event
+        self.post: Callable[[], Any] | None = None
+        self.keep = keep
+
+
+class KVCopier(Copier):
+    """Copies chunks between the staging pool and vLLM's KV cache (reactor thread only).
+
+    ``to_device`` issues ALL chunks that became ready in one reactor iteration as one
+    batch; chunks read from a DRAM-tier slot are validated first (header magic, key,
+    geometry; no payload hash), and a refused chunk is marked ``ref.failed`` and not
+    copied. ``from_device`` copies one chunk for a store; when the chunk goes to a DRAM
+    slot and the file already exists (the reactor then skips the write and would not
+    write a header), it writes the slot header itself, so a retained DRAM slot always
+    holds a valid header + payload.
+    """
+
+    def __init__(self, pool: StagingPool, offset: int, *, geometry: KVGeometry,
+                 layout: Layout, n_staging: int) -> None:
+        super().__init__(pool, offset)
+        if offset != HEADER_BYTES:
+            raise ValueError("payload offset must be the header size")
+        self.g = geometry
+        self.layout = layout
+        self.n_staging = n_staging
+        self.slot_bytes = pool.slot_bytes
+        self.header_failures = 0
+        self._pool_t = pool.as_tensor()
+        self.cuda = geometry.device.type == "cuda"
+        self.asynchronous = self.cuda
+        self._cx: _CudaExec | None = _CudaExec(geometry, self._pool_t) if self.cuda else None
+
+    # ------------------------------------------------------------------ reactor API
+    def to_device(self, slots: list[int], dests: list[Any], nbytes: list[int]) -> Any:
+        parts = []
+        for slot, ref, n in zip(slots, dests, nbytes, strict=True):
+            need = self.g.payload_bytes(ref.group)
+            if n < need or (ref.check_header and not self._slot_valid(slot, ref.key, need)):
+                ref.failed = True
+                continue
+            parts.append(self.g.ops(ref, slot * self.slot_bytes + HEADER_BYTES))
+        if not parts:
+            return None
+        return self._run(_concat(parts), to_device=True, after=None, slot=-1)
+
+    def from_device(self, slot: int, src: Any, nbytes: int) -> Any:
+        ref: ChunkRef = src
+        ops = self.g.ops(ref, slot * self.slot_bytes + HEADER_BYTES)
+        post = None
+        if slot >= self.n_staging and self.layout.exists(ref.key):
+            view, key = self.pool.views[slot], ref.key
+
+            def post() -> None:
+                self.layout.fill_header(view, key, nbytes)
+        h = self._run(ops, to_device=False, after=ref.after, slot=slot)
+        if h is None:
+            if post is not None:
+                post()
+            return None
+        h.post = post
+        return h
+
+    def done(self, handle: Any) -> bool:
+        if handle is None:
+            return True
+        if not handle.event.query():
+            return False
+        if handle.post is not None:
+            handle.post()
+            handle.post = None
+        handle.keep = None
+        return True
+
+    # ------------------------------------------------------------------ internals
+    def _slot_valid(self, slot: int, key: bytes, need: int) -> bool:
+        try:
+            n = self.layout.check_block(self.pool.views[slot], self.slot_bytes, key,
+                                        verify=False)
+        except CorruptBlock as e:
+            self.header_failures += 1
+            log.warning("py-kvcache: DRAM slot %d does not hold a valid block for its key "
+                        "(%s); the chunk is recomputed", slot - self.n_staging, e)
+            return False
+        if n != need:
+            self.header_failures += 1
+            return False
+        return True
+
+    def _run(self, ops: tuple[np.ndarray, ...], *, to_device: bool, after: Any,
+             slot: int) -> Any:
+        if self._cx is not None:
+            return self._cx.run(ops, to_device=to_device, after=after, slot=slot)
+        tix, kvo, plo, szs = (a.tolist() for a in ops)
+        kv, pool = self.g.flat, self._pool_t
+        if to_device:
+            for t, k, p, n in zip(tix, kvo, plo, szs, strict=True):
+                kv[t][k:k + n].copy_(pool[p:p + n])
+        else:
+            for t, k, p, n in zip(tix, kvo, plo, szs, strict=True):
+                pool[p:p + n].copy_(kv[t][k:k + n])
+        return None
+
+
+class _CudaExec:
+    """CUDA execution of copy descriptors (cannot run on the CPU-only CI machine).
+
+    Loads: one ``swap_blocks_batch`` (cuMemcpyBatchAsync) per batch on a dedicated load
+    stream. Stores: one call per chunk on a store stream chosen by slot, which first waits
+    on the event recorded on the compute stream when vLLM submitted the store (no
+    device-wide sync). Without vLLM's op: per-descriptor ``copy_(non_blocking=True)`` on
+    those streams.
+    """
+
+    def __init__(self, geometry: KVGeometry, pool_t: torch.Tensor) -> None:
+        self.g = geometry
+        self.dev = geometry.device
+        self.pool_t = pool_t
+        self.pool_base = pool_t.data_ptr()
+        self.kv_base = np.array([f.data_ptr() for f in geometry.flat], dtype=np.int64)
+        self.load_stream = torch.cuda.Stream(self.dev)
+        # Store copies of different slots run on different streams (each waits only on
+        # its own producer event); a small fixed set, not one per slot: the DRAM tier can
+        # have hundreds of slots.
+        self.store_streams = [torch.cuda.Stream(self.dev) for _ in range(N_STORE_STREAMS)]
+        self.swap: Callable[..., None] | None = None
+        try:
+            from vllm import _custom_ops as vops
+
+            if hasattr(torch.ops._C_cache_ops, "swap_blocks_batch"):
+                self.swap = vops.swap_blocks_batch
+        except Exception:  # pragma: no cover - depends on the vLLM build
+            self.swap = None
+        if self.swap is None:  # pragma: no cover
+            log.warning("py-kvcache: vllm._custom_ops.swap_blocks_batch unavailable; using "
+                        "per-block copies")
+
+    def run(self, ops: tuple[np.ndarray, ...], *, to_device: bool, after: Any,
+            slot: int) -> _CudaHandle:  # pragma: no cover - needs CUDA
+        tix, kvo, plo, szs = ops
+        stream = (self.load_stream if to_device
+                  else self.store_streams[slot % len(self.store_streams)])
+        keep: Any = None
+        with torch.cuda.device(self.dev), torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            if self.swap is not None:
+                kv_ptr = torch.from_numpy(self.kv_base[tix] + kvo)
+                pool_ptr = torch.from_numpy(self.pool_base + plo)
+                sizes = torch.from_numpy(np.ascontiguousarray(szs))
+                src, dst = (pool_ptr, kv_ptr) if to_device else (kv_ptr, pool_ptr)
+                self.swap(src, dst, sizes, is_src_access_order_any=to_device)
+                keep = (src, dst, sizes)
+            else:
+                kv, pool = self.g.flat, self.pool_t
+                for t, k, p, n in zip(tix.tolist(), kvo.tolist(), plo.tolist(),
+                                      szs.tolist(), strict=True):
+                    if to_device:
+                        kv[t][k:k + n].copy_(pool[p:p + n], non_blocking=True)
+                    else:
+                        pool[p:p + n].copy_(kv[t][k:k + n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return _CudaHandle(ev, keep)

@@ -1,0 +1,242 @@
+"""Worker side: :class:`PyKVCacheWorker` (vLLM's ``OffloadingWorker``).
+
+One per vLLM worker process (one per TP rank). Threads:
+
+* vLLM's model-runner thread calls :meth:`submit_store`, :meth:`submit_load`,
+  :meth:`get_finished`, :meth:`wait`, :meth:`take_invalid_block_ids`,
+  :meth:`take_report` and :meth:`shutdown`. Those only talk to the reactor through its
+  client API and read completed state.
+* The reactor thread (``kvcache_core.reactor``) does all I/O and every copy (through
+  :class:`~kvcache_core.vllm.transfer.KVCopier`); it only notifies this object.
+
+Slots: the reactor's pool is ``n_staging`` reactor-managed staging slots followed by
+``n_dram`` DRAM-tier slots whose index lives in the scheduler's
+:class:`~kvcache_core.vllm.manager.PyKVCacheManager`. A DRAM slot named in a job belongs to
+that job (reactor side) until the job completes; then the worker may zero the header of
+a slot whose load failed, so an invalid slot can never be served as a DRAM hit.
+
+Failures: vLLM asserts that every ``TransferResult`` succeeds, so every job is reported
+successful; the GPU blocks of chunks that failed to load are reported through
+:meth:`take_invalid_block_ids` (the connector's ``get_block_ids_with_load_errors``) in
+the same engine step, so vLLM recomputes them, and their keys go to the scheduler in the
+worker metadata. A dropped store (disk full, capacity bound, write error) is counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from ..config import StorageConfig
+from ..layout import Layout, Namespace
+from ..reactor import IN_SLOT, Completion, Reactor
+from .options import PoolGeometry
+from .specs import PyKVLoadSpec, PyKVStoreSpec
+from .transfer import ChunkRef, KVCopier, KVGeometry
+
+log = logging.getLogger("vllm.pykvcache")
+
+
+@dataclass
+class _Job:
+    is_load: bool
+    refs: list[ChunkRef]
+    dram_slots: list[int]
+    gpu_bytes: int
+    t0: float = field(default_factory=time.perf_counter)
+
+
+class PyKVCacheWorker(OffloadingWorker):
+    """Moves chunks between vLLM's KV cache and the cache files (see module doc)."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, *, storage: StorageConfig,
+                 namespace: Namespace, pool: PoolGeometry, blocks_per_chunk: int,
+                 max_disk_bytes: int, rank: int = 0) -> None:
+        self.kv = KVGeometry(kv_caches.tensors, kv_caches.group_data_refs, blocks_per_chunk)
+        if self.kv.max_payload > namespace.block_bytes:
+            raise RuntimeError(
+                f"py-kvcache: the KV tensors need {self.kv.max_payload} bytes per storage "
+                f"block but vLLM's worker_kv_bytes_per_block gives {namespace.block_bytes} "
+                f"({self.kv.describe()})")
+        self.rank = rank
+        self.n_staging = pool.n_staging
+        self.n_dram = pool.n_dram
+        self.is_cuda = self.kv.device.type == "cuda"
+        self.layout = Layout(storage.root_dir, namespace, max_disk_bytes=max_disk_bytes,
+                             durable=storage.durable)
+        try:
+            self.reactor = Reactor(
+                self.layout, n_slots=pool.n_staging, external_slots=pool.n_dram,
+                io_depth=storage.io_depth, lookahead=storage.lookahead,
+                engine=storage.engine, direct_io=storage.direct_io,
+                copier=functools.partial(KVCopier, geometry=self.kv, layout=self.layout,
+                                         n_staging=pool.n_staging),
+                verify=storage.verify_checksum, on_complete=self._on_complete,
+                name=f"kvcache-reactor-r{rank}")
+        except BaseException:
+            self.layout.close()
+            raise
+        self._jobs: dict[int, _Job] = {}
+        self._results: list[TransferResult] = []
+        self._invalid: set[int] = set()
+        self._failed_keys: set[bytes] = set()
+        self._cv = threading.Condition()
+        self._gen = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._reported: dict[str, int] = {}
+        self._closed = False
+        log.info("py-kvcache worker rank %d: %s, engine %s, O_DIRECT %s, %d staging + %d DRAM "
+                 "slots of %d B, KV %s", rank, self.layout.base, self.reactor.engine.name,
+                 self.reactor.direct, pool.n_staging, pool.n_dram, pool.slot_bytes,
+                 self.kv.describe())
+
+    # ------------------------------------------------------------------ reactor thread
+    def _on_complete(self, c: Completion) -> None:
+        with self._cv:
+            self._gen += 1
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ submit
+    def _gpu_bytes(self, refs: list[ChunkRef]) -> int:
+        return sum(len(r.gpu_ids) * self.kv.groups[r.group].gpu_block_bytes for r in refs)
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: LoadStoreSpec) -> bool:
+        """Queue a GPU -> storage job (vLLM's step N store, submitted at step N+1)."""
+        assert isinstance(dst_spec, PyKVStoreSpec), type(dst_spec)
+        refs = self.kv.split(src_spec, dst_spec.keys)
+        if self.is_cuda:  # pragma: no cover - needs CUDA
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.kv.device))
+            for r in refs:
+                r.after = ev
+        items = []
+        for ref, slot in zip(refs, dst_spec.dram_slots, strict=True):
+            ext = self.n_staging + slot if slot >= 0 else -1
+            items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext, 0))
+        self._jobs[job_id] = _Job(False, refs, list(dst_spec.dram_slots), self._gpu_bytes(refs))
+        self.reactor.store(job_id, items)
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
+                    dst_spec: GPULoadStoreSpec) -> bool:
+        """Queue a storage -> GPU job (DRAM hits skip the disk; see PyKVLoadSpec)."""
+        assert isinstance(src_spec, PyKVLoadSpec), type(src_spec)
+        refs = self.kv.split(dst_spec, src_spec.keys)
+        items = []
+        for ref, slot, flag in zip(refs, src_spec.dram_slots, src_spec.flags, strict=True):
+            ext = self.n_staging + slot if slot >= 0 else -1
+            if flag & IN_SLOT:
+                ref.check_header = True
+            items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext,
+                          flag if slot >= 0 else 0))
+        self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots), self._gpu_bytes(refs))
+        self.reactor.load(job_id, items)
+        return True
+
+    # ------------------------------------------------------------------ completions
+    def _drain(self) -> None:
+        for c in self.reactor.poll():
+            job = self._jobs.pop(c.req_id, None)
+            if job is None:  # pragma: no cover - not ours
+                continue
+            if job.is_load:
+                for i, ref in enumerate(job.refs):
+                    slot = job.dram_slots[i]
+                    if c.ok[i] and not ref.failed:
+                        self.counters["chunks_loaded_dram" if ref.check_header
+                                      else "chunks_loaded_disk"] += 1
+                        continue
+                    self.counters["chunks_failed"] += 1
+                    if ref.check_header:
+                        self.counters["dram_invalid"] += 1
+                    self._invalid.update(int(b) for b in ref.gpu_ids)
+                    self._failed_keys.add(bytes(ref.key))
+                    if slot >= 0:  # never serve this slot's bytes again
+                        self.reactor.pool.views[self.n_staging + slot][:8] = bytes(8)
+            self._results.append(TransferResult(c.req_id, True, job.gpu_bytes,
+                                                time.perf_counter() - job.t0))
+
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call (all reported successful; see module doc)."""
+        self._drain()
+        out, self._results = self._results, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the given jobs have completed; their results stay queued for
+        :meth:`get_finished`, as do any other completions seen meanwhile."""
+        while True:
+            with self._cv:
+                gen = self._gen
+            self._drain()
+            if not any(j in self._jobs for j in job_ids):
+                return
+            with self._cv:
+                self._cv.wait_for(functools.partial(self._moved, gen), timeout=1.0)
+
+    def _moved(self, gen: int) -> bool:
+        return self._gen != gen
+
+    def take_invalid_block_ids(self) -> set[int]:
+        """GPU block ids of chunks that failed to load since the last call."""
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def _snapshot(self) -> dict[str, int]:
+        s, ls = self.reactor.stats, self.layout.stats
+        snap = dict(self.counters)
+        snap.update(files_corrupt=s.loads_corrupt, files_missing=s.loads_miss,
+                    load_errors=s.loads_error, stores_written=s.stores_ok,
+                    stores_existing=s.stores_existing,
+                    stores_dropped_enospc=s.stores_dropped_enospc,
+                    stores_dropped_capacity=s.stores_dropped_capacity,
+                    store_errors=s.stores_error, bytes_read=s.bytes_read,
+                    bytes_written=s.bytes_written, disk_evicted_files=ls.evicted_files)
+        return snap
+
+    def take_report(self) -> tuple[set[bytes], dict[str, int]]:
+        """(keys that failed to load, counter deltas) since the last call, for the
+        scheduler (sent in the connector's worker metadata)."""
+        failed, self._failed_keys = self._failed_keys, set()
+        delta = {}
+        for k, v in self._snapshot().items():
+            d = v - self._reported.get(k, 0)
+            if d:
+                delta[k] = d
+                self._reported[k] = v
+        return failed, delta
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative counters of this worker plus the reactor's snapshot."""
+        return {**self._snapshot(), "reactor": self.reactor.snapshot()}
+
+    def shutdown(self) -> None:
+        """Finish in-flight I/O (stores already submitted are completed), stop the
+        reactor, release the namespace's writer lock."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.reactor.wait(timeout=120)
+            self._drain()
+            self.reactor.close()
+        finally:
+            self.layout.close()
+        snap = self._snapshot()
+        log.info("py-kvcache worker rank %d stats: %s", self.rank,
+                 " ".join(f"{k}={v}" for k, v in sorted(snap.items()) if v))

@@ -1,0 +1,265 @@
+"""py-kvcache inside real vLLM 0.26 (CPU platform): hits from each tier, across processes,
+with bad files and with a full disk. Every output is compared with plain recompute
+(no connector): same greedy tokens, same logprobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from . import helpers as H
+
+A, C = H.PROMPTS["A"], H.PROMPTS["C"]
+FULL_HIT = 3 * H.CHUNK  # 1000-token prompts: 3 storage blocks
+
+
+@pytest.fixture(scope="module")
+def root1(workdir) -> str:
+    return os.path.join(workdir, "root1")
+
+
+@pytest.fixture(scope="module")
+def dram_run(model_dir, root1) -> dict:
+    """One engine with the DRAM tier: A (miss, stored), A again (DRAM hit), C (stored)."""
+    llm = H.make_llm(model_dir, H.extra_config(root1, dram_cache_bytes=8 * H.FILE_BYTES))
+    out: dict = {}
+    try:
+        m = H.manager(llm)
+        out["A1"] = H.generate(llm, A)
+        H.drain(llm)
+        out["s1"] = m.stats()
+        out["A2"] = H.generate(llm, A)
+        H.drain(llm)
+        out["s2"] = m.stats()
+        before = H.cache_files(root1)
+        out["C1"] = H.generate(llm, C)
+        H.drain(llm)
+        out["c_files"] = sorted(H.cache_files(root1) - before)
+        out["s3"] = m.stats()
+    finally:
+        H.shutdown(llm)
+    return out
+
+
+def test_dram_tier_hit(dram_run, reference, root1):
+    s1, s2 = dram_run["s1"], dram_run["s2"]
+    assert H.same_output(dram_run["A1"], reference["A"])
+    assert dram_run["A1"]["num_cached_tokens"] == 0
+    assert s1["stores"] == 3 and s1["stores_dram"] == 3 and s1["stores_written"] == 3
+    assert s1["hits_dram"] == s1["hits_disk"] == 0
+    # second request: served by the DRAM tier, nothing read from disk
+    assert H.same_output(dram_run["A2"], reference["A"])
+    assert dram_run["A2"]["num_cached_tokens"] == FULL_HIT
+    d = H.delta(s2, s1)
+    assert d.get("hits_dram") == 3 and d.get("chunks_loaded_dram") == 3, d
+    assert "hits_disk" not in d and "chunks_loaded_disk" not in d and "bytes_read" not in d
+    assert "stores" not in d  # already cached: nothing stored again
+    assert len(dram_run["c_files"]) == 3
+
+
+def test_disk_hit_fresh_process(dram_run, reference, model_dir, root1):
+    """A new process (no PYTHONHASHSEED in its environment), DRAM tier off, same root."""
+    r = H.run_proc({"model_dir": model_dir, "extra": H.extra_config(root1),
+                    "steps": [{"op": "generate", "prompt": "A", "tag": "A"}]})
+    out, s = r["results"]["A"], r["stats"]["final"]
+    assert H.same_output(out, reference["A"])
+    assert out["num_cached_tokens"] == FULL_HIT
+    assert s["hits_disk"] == 3 and s["chunks_loaded_disk"] == 3, s
+    assert s["hits_dram"] == 0 and s["dram_slots"] == 0
+    assert s["bytes_read"] == 3 * H.FILE_BYTES
+    assert "PYTHONHASHSEED was unset; set it to 0" in r["log"]
+
+
+def test_disk_hit_promoted_to_dram(dram_run, reference, model_dir, root1):
+    """DRAM tier on, cold: the disk hit is read into DRAM slots; the next hit is DRAM."""
+    llm = H.make_llm(model_dir, H.extra_config(root1, dram_cache_bytes=4 * H.FILE_BYTES))
+    try:
+        m = H.manager(llm)
+        first = H.generate(llm, A)
+        H.drain(llm)
+        s1 = m.stats()
+        second = H.generate(llm, A)
+        H.drain(llm)
+        s2 = m.stats()
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(first, reference["A"]) and H.same_output(second, reference["A"])
+    assert first["num_cached_tokens"] == second["num_cached_tokens"] == FULL_HIT
+    assert s1["hits_disk"] == 3 and s1["promotions"] == 3 and s1["chunks_loaded_disk"] == 3
+    d = H.delta(s2, s1)
+    assert d.get("hits_dram") == 3 and d.get("chunks_loaded_dram") == 3, d
+    assert "bytes_read" not in d
+
+
+def test_corrupt_files_are_recomputed(dram_run, reference, model_dir, root1):
+    """Truncate one of C's files and flip a payload byte in another: vLLM recomputes, the
+    output is unchanged, both files are counted and removed, later requests re-store and
+    hit again."""
+    files = dram_run["c_files"]
+    assert len(files) == 3
+    truncated, flipped = files[0], files[1]
+    os.truncate(truncated, 4096 + 1000)
+    with open(flipped, "r+b") as f:
+        f.seek(4096 + 12345)
+        b = f.read(1)
+        f.seek(4096 + 12345)
+        f.write(bytes([b[0] ^ 0xFF]))
+    llm = H.make_llm(model_dir, H.extra_config(root1))
+    try:
+        m = H.manager(llm)
+        bad = H.generate(llm, C)
+        H.drain(llm)
+        s1 = m.stats()
+        removed = not os.path.exists(truncated) and not os.path.exists(flipped)
+        again = H.generate(llm, C)  # chunk 0 is a miss now: recompute + re-store
+        H.drain(llm)
+        s2 = m.stats()
+        healed = H.generate(llm, C)
+        H.drain(llm)
+        s3 = m.stats()
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(bad, reference["C"])
+    assert s1["files_corrupt"] == 2 and s1["chunks_failed"] == 2, s1
+    assert s1["load_failures"] == 2
+    assert removed
+    assert H.same_output(again, reference["C"]) and again["num_cached_tokens"] == 0
+    assert H.delta(s2, s1).get("stores_written") == 2
+    assert H.same_output(healed, reference["C"])
+    assert healed["num_cached_tokens"] == FULL_HIT
+    assert H.delta(s3, s2).get("chunks_loaded_disk") == 3
+    assert os.path.getsize(truncated) == os.path.getsize(flipped) == H.FILE_BYTES
+
+
+def test_partial_gpu_hit_loads_the_rest_of_a_chunk(dram_run, reference, model_dir, root1):
+    """GPU prefix caching ON: the GPU cache holds A's first 3 GPU blocks (384 tokens, from
+    a request sharing that prefix), so the offload load starts in the middle of storage
+    block 1 (``block_indices % blocks_per_chunk == 1``): only its second half is copied."""
+    llm = H.make_llm(model_dir, H.extra_config(root1), enable_prefix_caching=True)
+    try:
+        m = H.manager(llm)
+        H.generate(llm, A[:384] + H.PROMPTS["B"][:300])
+        H.drain(llm)
+        s0 = m.stats()
+        out = H.generate(llm, A)
+        H.drain(llm)
+        d = H.delta(m.stats(), s0)
+    finally:
+        H.shutdown(llm)
+    assert out["num_cached_tokens"] == FULL_HIT
+    assert H.same_output(out, reference["A"])
+    assert d.get("chunks_loaded_disk") == 2, d  # storage blocks 1 (second half) and 2
+
+
+def test_two_engines_share_one_root(reference, model_dir, workdir):
+    """Two engines in two concurrent processes on one root: both store prompt B at the same
+    time (same files: one publish wins), then the second finds the first's file for A."""
+    root = os.path.join(workdir, "root_shared")
+    sig = os.path.join(workdir, "first_stored_A")
+    ex = H.extra_config(root)
+    p1, o1 = H.run_proc({"model_dir": model_dir, "extra": ex, "steps": [
+        {"op": "generate", "prompt": "B", "tag": "B"}, {"op": "drain"},
+        {"op": "generate", "prompt": "A", "tag": "A"}, {"op": "drain"},
+        {"op": "signal", "path": sig}]}, wait=False,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    p2, o2 = H.run_proc({"model_dir": model_dir, "extra": ex, "steps": [
+        {"op": "generate", "prompt": "B", "tag": "B"}, {"op": "drain"},
+        {"op": "wait_for", "path": sig},
+        {"op": "generate", "prompt": "A", "tag": "A"}, {"op": "drain"}]}, wait=False,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    r1 = H.finish_proc(p1, o1)
+    r2 = H.finish_proc(p2, o2)
+    for r in (r1, r2):
+        assert H.same_output(r["results"]["B"], reference["B"])
+        assert H.same_output(r["results"]["A"], reference["A"])
+    assert r1["results"]["A"]["num_cached_tokens"] == 0
+    assert r2["results"]["A"]["num_cached_tokens"] == FULL_HIT
+    s1, s2 = r1["stats"]["final"], r2["stats"]["final"]
+    assert s2["chunks_loaded_disk"] >= 3 and s2["files_corrupt"] == 0
+    # B's three files were written once (the loser of a race counts it as existing)
+    written = s1["stores_written"] + s2["stores_written"]
+    assert written == 6, (s1, s2)
+    assert len(H.cache_files(root)) == 6
+
+
+@pytest.fixture
+def tiny_tmpfs(workdir):
+    mnt = os.path.join(workdir, "tmpfs")
+    os.makedirs(mnt, exist_ok=True)
+    size = H.FILE_BYTES + 64 * 1024  # room for one block file and the metadata
+    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt],
+                        capture_output=True, text=True)
+    if rc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {rc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", mnt], capture_output=True)
+
+
+def test_full_disk_keeps_serving(reference, model_dir, tiny_tmpfs):
+    """Root on a tmpfs that holds one file: stores beyond it are dropped and counted,
+    requests keep being served with unchanged output, the stored block still hits.
+
+    io_depth=1 makes the outcome deterministic (one write at a time: the first fits);
+    with concurrent writes all three may fail on a nearly full disk, which is fine."""
+    llm = H.make_llm(model_dir, H.extra_config(tiny_tmpfs, io_depth=1))
+    try:
+        m = H.manager(llm)
+        first = H.generate(llm, H.PROMPTS["B"])
+        H.drain(llm)
+        s1 = m.stats()
+        second = H.generate(llm, H.PROMPTS["B"])
+        H.drain(llm)
+        s2 = m.stats()
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(first, reference["B"]) and H.same_output(second, reference["B"])
+    # ENOSPC, or a short write (tmpfs returns the bytes that fit) counted as a write error
+    dropped = s1["stores_dropped_enospc"] + s1["store_errors"]
+    assert s1["stores_written"] == 1 and dropped == 2, s1
+    assert second["num_cached_tokens"] == H.CHUNK
+    assert H.delta(s2, s1).get("chunks_loaded_disk") == 1
+    assert not [f for f in os.listdir(next(
+        os.path.join(tiny_tmpfs, d) for d in os.listdir(tiny_tmpfs) if d.startswith("v")))
+        if f.startswith(".tmp.")]
+
+
+def test_config_errors_name_the_key(model_dir, workdir):
+    root = os.path.join(workdir, "root_cfg")
+    r = H.run_proc({"model_dir": model_dir, "expect_error": [
+        H.extra_config(root, io_depht=4),
+        H.extra_config(root, eviction_policy="fifo"),
+        H.extra_config(root, block_size=200),
+        H.extra_config(root, staging_bytes=H.FILE_BYTES),
+        H.extra_config(root, preload_lookahead=2),
+    ]})
+    errs = r["errors"]
+    assert all(e is not None for e in errs), errs
+    assert "ConfigError" in errs[0] and "unknown config key 'io_depht'" in errs[0]
+    assert "ConfigError" in errs[1] and "'eviction_policy'" in errs[1]
+    assert "ConfigError" in errs[2] and "'block_size'" in errs[2]
+    assert "ConfigError" in errs[3] and "'staging_bytes'" in errs[3]
+    assert "ConfigError" in errs[4] and "'preload_lookahead'" in errs[4]
+
+
+def test_tensor_parallel_2(model_dir, workdir):
+    """TP=2 on CPU (2 worker processes): each rank stores and loads its own files; the DRAM
+    slot numbering chosen by the scheduler is valid on both ranks."""
+    root = os.path.join(workdir, "root_tp2")
+    r = H.run_proc({"model_dir": model_dir, "tp": 2,
+                    "extra": H.extra_config(root, dram_cache_bytes=4 * H.FILE_BYTES),
+                    "steps": [{"op": "generate", "prompt": "A", "tag": "miss"}, {"op": "drain"},
+                              {"op": "generate", "prompt": "A", "tag": "dram"}, {"op": "drain"}]},
+                   env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=300)
+    miss, dram, s = r["results"]["miss"], r["results"]["dram"], r["stats"]["final"]
+    assert miss["num_cached_tokens"] == 0 and dram["num_cached_tokens"] == FULL_HIT
+    assert H.same_output(miss, dram)
+    assert s["stores_written"] == 6 and s["chunks_loaded_dram"] == 6, s  # 3 per rank
+    assert s["hits_dram"] == 3
+    spaces = sorted(d for d in os.listdir(root) if d.startswith("v"))
+    assert len(spaces) == 2
+    for d in spaces:
+        assert len(H.cache_files(os.path.join(root, d))) == 3

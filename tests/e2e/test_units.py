@@ -1,0 +1,366 @@
+"""Fast tests of the vLLM glue without an engine: config parsing, namespaces computed on
+both sides, chunk mapping against vLLM's own ``compute_sub_block_ptrs``, the worker's
+copy/store/load/failure paths through a real reactor, the manager's slot bookkeeping."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from kvcache_core.config import ConfigError, StorageConfig
+from kvcache_core.layout import HEADER_BYTES, MAGIC, Namespace
+from kvcache_core.reactor import IN_SLOT
+from kvcache_core.vllm import options as O
+
+
+def key(i: int, group: int = 0) -> bytes:
+    return i.to_bytes(32, "big") + group.to_bytes(4, "big")
+
+
+# ------------------------------------------------------------------------ options
+def test_parse_extra_config_errors_name_the_key():
+    base = {"spec_name": "PyKVCacheSpec", "spec_module_path": "kvcache_core.vllm",
+            "root_dir": "/tmp/x"}
+    with pytest.raises(ConfigError, match=r"unknown config key 'io_depht'.*did you mean "
+                                          r"'io_depth'"):
+        O.parse_extra_config({**base, "io_depht": 3})
+    with pytest.raises(ConfigError, match="'io_depth'"):
+        O.parse_extra_config({**base, "io_depth": 0})
+    with pytest.raises(ConfigError, match="'block_size' and 'blocks_per_chunk'"):
+        O.parse_extra_config({**base, "block_size": 256, "blocks_per_chunk": 2})
+    with pytest.raises(ConfigError, match="'blocks_per_chunk'"):
+        O.parse_extra_config({**base, "blocks_per_chunk": "2"})
+    with pytest.raises(ConfigError, match="'offload_prompt_only'"):
+        O.parse_extra_config({**base, "offload_prompt_only": "yes"})
+    with pytest.raises(ConfigError, match="'load_failure_policy'"):
+        O.parse_extra_config({**base, "load_failure_policy": "ignore"})
+    with pytest.raises(ConfigError, match="'breakeven_table'"):
+        O.parse_extra_config({**base, "breakeven_table": "/x.json"})
+    with pytest.raises(ConfigError, match="'dram_cache_bytes'"):
+        O.pool_geometry(StorageConfig(dram_cache_bytes=4096),
+                        Namespace("m", "bf16", 256, 1 << 20))
+    opts = O.parse_extra_config({**base, "block_size": 512})
+    with pytest.raises(ConfigError, match="'block_size'"):
+        O.check_block_size(opts, 96)
+    O.check_block_size(opts, 128)
+    assert O.resolve_blocks_per_chunk(opts, (128,), 4) == 4
+    dflt = O.parse_extra_config(base)
+    assert O.resolve_blocks_per_chunk(dflt, (16,), 1) == 16  # 256 tokens, not 1 block
+    assert O.resolve_blocks_per_chunk(dflt, (128,), 1) == 2
+
+
+def test_hash_seed(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.setattr(O, "_seed_set_by_us", False)
+    assert O.ensure_hash_seed() == "0" and os.environ["PYTHONHASHSEED"] == "0"
+    monkeypatch.setenv("PYTHONHASHSEED", "1234")
+    assert O.ensure_hash_seed() == "1234"
+    monkeypatch.setenv("PYTHONHASHSEED", "random")
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED=random"):
+        O.ensure_hash_seed()
+
+
+def _offloading_config(rank: int, world: int, extra: dict):
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("l0", "l1")),), worker_kv_bytes_per_block=32768,
+        enable_kv_cache_events=False, extra_config=extra, engine_id=f"e{rank}",
+        model=OffloadingModelConfig("org/model", "auto"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank, world, world, 1, 1, 1, 0, True))
+
+
+def test_scheduler_and_worker_specs_agree(tmp_path, vllm_available):
+    from kvcache_core.vllm import PyKVCacheSpec
+
+    extra = {"spec_name": "PyKVCacheSpec", "spec_module_path": "kvcache_core.vllm",
+             "root_dir": str(tmp_path), "staging_bytes": 1 << 26, "dram_cache_bytes": 1 << 25,
+             O.MODEL_DTYPE_KEY: "bfloat16"}
+    sched = PyKVCacheSpec(_offloading_config(0, 2, extra))
+    work1 = PyKVCacheSpec(_offloading_config(1, 2, extra))
+    assert sched.namespaces == work1.namespaces and sched.pool == work1.pool
+    assert sched.blocks_per_chunk == work1.blocks_per_chunk == 16  # default 256 tokens
+    ns0, ns1 = sched.namespaces
+    assert (ns0.tp_rank, ns1.tp_rank, ns0.tp_size) == (0, 1, 2)
+    assert ns0.dirname() != ns1.dirname()
+    assert ns0.block_bytes == 32768 * 16 and ns0.dtype == "bfloat16"
+    assert ns0.block_size == 256
+    other = PyKVCacheSpec(_offloading_config(0, 2, {**extra, O.MODEL_DTYPE_KEY: "float16"}))
+    assert other.namespaces[0].dirname() != ns0.dirname()
+    assert sched.pool.n_dram == (1 << 25) // ns0.file_bytes
+    stock = {k: v for k, v in extra.items() if k != O.MODEL_DTYPE_KEY}
+    with pytest.raises(ConfigError, match="kv_connector_module_path"):
+        PyKVCacheSpec(_offloading_config(0, 1, stock))  # vLLM's stock connector class
+    defs = PyKVCacheSpec.build_metric_definitions(extra)
+    assert "vllm:pykvcache_hits_disk" in defs and "vllm:pykvcache_files_corrupt" in defs
+
+
+# ------------------------------------------------------------------------ chunk mapping
+def _geometry(bpc: int, n_tensors: int = 2, nb: int = 64, page: int = 256):
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor
+
+    from kvcache_core.vllm.transfer import KVGeometry
+
+    ts = [CanonicalKVCacheTensor(torch.zeros((nb, page), dtype=torch.int8), page)
+          for _ in range(n_tensors)]
+    return KVGeometry(ts, [[CanonicalKVCacheRef(i, page) for i in range(n_tensors)]], bpc)
+
+
+@pytest.mark.parametrize("bpc", [1, 2, 4])
+def test_chunk_mapping_matches_vllm_sub_block_pointers(bpc, vllm_available):
+    """Our (chunk, sub-block) for every GPU block equals what vLLM's native CPU offload
+    computes with ``compute_sub_block_ptrs`` (including the skip of a partial first
+    chunk) for loads and stores."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
+
+    g = _geometry(bpc)
+    page, slot_bytes = 256, 8 * bpc * 256 + HEADER_BYTES
+    rng = np.random.default_rng(bpc)
+    for _ in range(40):
+        skip = int(rng.integers(0, bpc))
+        n_blocks = int(rng.integers(1, 4 * bpc + 1))
+        n_chunks = -(-(n_blocks + skip) // bpc)
+        gpu_ids = rng.choice(64, size=n_blocks, replace=False).astype(np.int64)
+        spec = GPULoadStoreSpec(gpu_ids.tolist(), [n_blocks], [skip + bpc * 3])
+        slots = rng.choice(8, size=n_chunks, replace=False)
+        refs = g.split(spec, [key(int(s)) for s in slots])
+        assert [len(r.gpu_ids) for r in refs][0] == min(n_blocks, bpc - skip)
+        ours = []
+        for r, s in zip(refs, slots, strict=True):
+            tix, kvo, plo, _ = g.ops(r, int(s) * slot_bytes + HEADER_BYTES)
+            for t, k, p in zip(tix, kvo, plo, strict=True):
+                within = p - int(s) * slot_bytes - HEADER_BYTES - t * bpc * page
+                ours.append((int(t), int(k) // page, int(s), int(within) // page))
+        # vLLM: one CPU tensor per canonical tensor, row = chunk, bpc pages per row
+        ref = []
+        cpu = torch.zeros((8, bpc * page), dtype=torch.int8)
+        for t in range(2):
+            out = np.zeros(n_blocks, dtype=np.uint64)
+            compute_sub_block_ptrs(slots.astype(np.int64), bpc, out, cpu, skip_count=skip)
+            offs = out.astype(np.int64) - cpu.data_ptr()
+            ref.append([(t, int(b), int(o) // (bpc * page), int(o) % (bpc * page) // page)
+                        for b, o in zip(gpu_ids, offs, strict=True)])
+        # ours is chunk-major then tensor; compare as sets of (tensor, block, chunk, sub)
+        assert sorted(ours) == sorted(ref[0] + ref[1])
+
+
+def test_split_rejects_inconsistent_specs(vllm_available):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    g = _geometry(2)
+    with pytest.raises(ValueError):
+        g.split(GPULoadStoreSpec([1, 2, 3], [3], [0]), [key(1)])  # needs 2 chunks
+    with pytest.raises(ValueError):
+        g.split(GPULoadStoreSpec([1, 2], [2], [0]), [key(1, group=1)])  # wrong group
+    with pytest.raises(ValueError):
+        g.split(GPULoadStoreSpec([1, 99], [2], [0]), [key(1)])  # block out of range
+
+
+# ------------------------------------------------------------------------ worker
+@pytest.fixture
+def worker(tmp_path, vllm_available):
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    from kvcache_core.vllm.worker import PyKVCacheWorker
+
+    page, nb, bpc = 4096, 32, 2
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randint(-128, 127, (nb, page), dtype=torch.int8, generator=g)
+          for _ in range(2)]
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, page) for t in ts],
+                           [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]])
+    ns = Namespace("unit/model", "int8", 2 * 16, block_bytes=2 * page * bpc)
+    cfg = StorageConfig(root_dir=str(tmp_path), staging_bytes=4 * ns.file_bytes, io_depth=2,
+                        lookahead=2, copy_headroom=1, dram_cache_bytes=4 * ns.file_bytes)
+    w = PyKVCacheWorker(kv, storage=cfg, namespace=ns, pool=O.pool_geometry(cfg, ns),
+                        blocks_per_chunk=bpc, max_disk_bytes=0)
+    w.test_tensors = ts
+    w.test_orig = [t.clone() for t in ts]
+    yield w
+    w.shutdown()
+
+
+def _run(w, job: int) -> None:
+    w.wait({job})
+    res = {r.job_id: r for r in w.get_finished()}
+    assert res[job].success
+
+
+def test_worker_store_load_dram_and_disk(worker):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvcache_core.vllm.specs import PyKVLoadSpec, PyKVStoreSpec
+
+    w, ts, orig = worker, worker.test_tensors, worker.test_orig
+    k1, k2 = key(1), key(2)
+    # store: k1 = blocks 3,5 (DRAM slot 0 + disk), k2 = blocks 7,9 (disk only)
+    w.submit_store(1, GPULoadStoreSpec([3, 5, 7, 9], [4], [0]),
+                   PyKVStoreSpec([k1, k2], [0, -1]))
+    w.submit_store(2, GPULoadStoreSpec([], [0], [0]), PyKVStoreSpec([], []))
+    w.wait({2})  # waiting for job 2 must not lose job 1's completion
+    w.wait({1})
+    assert {r.job_id for r in w.get_finished()} == {1, 2}
+    assert w.layout.exists(k1) and w.layout.exists(k2)
+    for t in ts:
+        t.zero_()
+    # load: k1 from DRAM slot 0 skipping sub-block 0 -> block 11; k2 from disk -> 12, 13
+    w.submit_load(3, PyKVLoadSpec([k1, k2], [0, -1], [IN_SLOT, 0]),
+                  GPULoadStoreSpec([11, 12, 13], [3], [1]))
+    _run(w, 3)
+    assert w.take_invalid_block_ids() == set()
+    for t, o in zip(ts, orig, strict=True):
+        assert torch.equal(t[11], o[5]) and torch.equal(t[12], o[7])
+        assert torch.equal(t[13], o[9]) and not t[10].any()
+    failed, counters = w.take_report()
+    assert not failed and counters["chunks_loaded_dram"] == 1
+    assert counters["chunks_loaded_disk"] == 1 and counters["stores_written"] == 2
+    # a DRAM store whose file already exists still gets a valid slot header
+    for t, o in zip(ts, orig, strict=True):
+        t[3], t[5] = o[3], o[5]
+    w.submit_store(4, GPULoadStoreSpec([3, 5], [2], [0]), PyKVStoreSpec([k1], [3]))
+    _run(w, 4)
+    w.submit_load(5, PyKVLoadSpec([k1], [3], [IN_SLOT]), GPULoadStoreSpec([20, 21], [2], [0]))
+    _run(w, 5)
+    assert w.take_invalid_block_ids() == set()
+    assert torch.equal(ts[1][20], orig[1][3]) and torch.equal(ts[1][21], orig[1][5])
+    # promotion: k2 read from disk into DRAM slot 2, then served from that slot
+    w.submit_load(6, PyKVLoadSpec([k2], [2], [0]), GPULoadStoreSpec([22, 23], [2], [0]))
+    _run(w, 6)
+    w.submit_load(7, PyKVLoadSpec([k2], [2], [IN_SLOT]), GPULoadStoreSpec([24, 25], [2], [0]))
+    _run(w, 7)
+    assert w.take_invalid_block_ids() == set()
+    assert torch.equal(ts[0][25], orig[0][9])
+    st = w.stats()["reactor"]
+    assert st["bytes_read"] == 2 * w.layout.ns.file_bytes
+
+
+def test_worker_load_failures_are_reported_and_slots_invalidated(worker):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvcache_core.vllm.specs import PyKVLoadSpec, PyKVStoreSpec
+
+    w, ts = worker, worker.test_tensors
+    k1, k2, k3 = key(1), key(2), key(3)
+    w.submit_store(1, GPULoadStoreSpec([1, 2, 3, 4, 5, 6], [6], [0]),
+                   PyKVStoreSpec([k1, k2, k3], [0, 1, -1]))
+    _run(w, 1)
+    views = w.reactor.pool.views
+    # 1. garbage in a DRAM slot (bad magic): refused, recomputed, never copied
+    views[w.n_staging + 0][0] ^= 0xFF
+    before = ts[0][10].clone()
+    w.submit_load(2, PyKVLoadSpec([k1], [0], [IN_SLOT]), GPULoadStoreSpec([10, 11], [2], [0]))
+    _run(w, 2)
+    assert w.take_invalid_block_ids() == {10, 11}
+    assert torch.equal(ts[0][10], before)
+    # 2. a corrupt file promoted into DRAM slot 1: the slot header is zeroed
+    path = w.layout.path_for(k2)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 77)
+        b = f.read(1)
+        f.seek(HEADER_BYTES + 77)
+        f.write(bytes([b[0] ^ 1]))
+    assert bytes(views[w.n_staging + 1][:8]) == MAGIC  # the store left a valid header
+    w.submit_load(3, PyKVLoadSpec([k2, k3], [1, -1], [0, 0]),
+                  GPULoadStoreSpec([12, 13, 14, 15], [4], [0]))
+    _run(w, 3)
+    assert w.take_invalid_block_ids() == {12, 13}  # k3 loaded fine
+    assert bytes(views[w.n_staging + 1][:8]) == bytes(8)
+    assert not os.path.exists(path)
+    # 3. a missing file
+    w.submit_load(4, PyKVLoadSpec([k2], [-1], [0]), GPULoadStoreSpec([16, 17], [2], [0]))
+    _run(w, 4)
+    assert w.take_invalid_block_ids() == {16, 17}
+    failed, counters = w.take_report()
+    assert failed == {k1, k2}
+    assert counters["chunks_failed"] == 3 and counters["files_corrupt"] == 1
+    assert counters["dram_invalid"] == 1 and counters["files_missing"] == 1
+
+
+# ------------------------------------------------------------------------ manager
+def test_manager_slots_hits_and_failures(tmp_path, vllm_available):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=2)
+    r1, r2 = ReqContext("r1"), ReqContext("r2")
+    k1, k2, k3 = key(1), key(2), key(3)
+
+    def on_disk(k: bytes) -> None:
+        p = m.disk[0].path_for(k)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        open(p, "w").close()
+
+    assert m.lookup(k1, r1) == LookupResult.MISS
+    out = m.prepare_store([k1, k2], r1)
+    assert out.keys_to_store == [k1, k2] and out.store_spec.dram_slots == [0, 1]
+    assert m.lookup(k1, r1) == LookupResult.MISS  # store in flight
+    assert m.prepare_store([k1], r2).keys_to_store == []
+    m.complete_store([k1, k2], r1)
+    assert m.lookup(k1, r1) == LookupResult.HIT
+    out = m.prepare_store([k3, k2], r1)  # full: evicts k1 (LRU), never k2 (in this call)
+    assert out.keys_to_store == [k3] and out.evicted_keys == [k1]
+    m.complete_store([k3], r1)
+    on_disk(k1)
+    assert m.lookup(k1, r1) == LookupResult.HIT
+    assert m.stats()["hits_disk"] == 1 and m.stats()["hits_dram"] == 1
+    # load k1 (disk) + k2 (DRAM): k2 is pinned first, so k1's promotion evicts k3
+    spec = m.prepare_load([k1, k2], r2)
+    assert spec.flags == [0, IN_SLOT] and spec.dram_slots[1] == 1 and spec.dram_slots[0] == 0
+    m.complete_load([k1, k2], r2)
+    assert m.dram.lookup(k1) == 0 and m.dram.lookup(k2) == 1 and m.dram.lookup(k3) == -1
+    # a failed DRAM read: the key leaves the DRAM tier
+    m.prepare_load([k2], r1)
+    m.on_worker_report({k2}, {"chunks_failed": 1})
+    m.complete_load([k2], r1)
+    assert m.dram.lookup(k2) == -1 and m.lookup(k2, r1) == LookupResult.MISS
+    # a failed promotion is not retained
+    on_disk(k3)
+    spec = m.prepare_load([k3], r1)
+    assert spec.dram_slots[0] >= 0 and spec.flags == [0]
+    m.on_worker_report({k3}, {})
+    m.complete_load([k3], r1)
+    assert m.dram.lookup(k3) == -1
+    s = m.stats()
+    assert s["load_failures"] == 2 and s["chunks_failed"] == 1 and s["promotions"] == 2
+    m.dram.check()
+    st = m.get_stats()
+    assert st is not None and m.get_stats() is None  # deltas only
+    m.reset_cache()
+    assert m.lookup(k1, r1) == LookupResult.HIT  # disk stays; DRAM forgotten
+    assert m.dram.cached == 0
+
+
+def test_specs_and_metadata_pickle_and_aggregate(vllm_available):
+    from kvcache_core.vllm import PyKVCacheWorkerMetadata
+    from kvcache_core.vllm.specs import PyKVLoadSpec, PyKVStoreSpec
+
+    ls = pickle.loads(pickle.dumps(PyKVLoadSpec([key(1)], [3], [IN_SLOT])))
+    assert ls.keys == [key(1)] and ls.dram_slots == [3] and ls.flags == [IN_SLOT]
+    ss = pickle.loads(pickle.dumps(PyKVStoreSpec([key(2)], [-1])))
+    assert ss.keys == [key(2)] and ss.dram_slots == [-1]
+    a = PyKVCacheWorkerMetadata(completed_jobs={1: 1}, failed_keys={key(1)},
+                                counters={"files_corrupt": 1})
+    b = PyKVCacheWorkerMetadata(completed_jobs={1: 1, 2: 1}, failed_keys={key(2)},
+                                counters={"files_corrupt": 2, "bytes_read": 5})
+    c = pickle.loads(pickle.dumps(a.aggregate(b)))
+    assert isinstance(c, PyKVCacheWorkerMetadata)
+    assert c.completed_jobs == {1: 2, 2: 1} and c.failed_keys == {key(1), key(2)}
+    assert c.counters == {"files_corrupt": 3, "bytes_read": 5}

@@ -1,0 +1,510 @@
+"""Layout units: naming, header, publish, lookup, capacity, errors; config validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+from helpers.kvutil import (
+    BLOCK,
+    REPO,
+    header_key,
+    list_files,
+    payload,
+    published_bytes,
+    read_ledger,
+)
+
+from kvcache_core.config import ConfigError, StorageConfig
+from kvcache_core.layout import (
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    TMP_PREFIX,
+    CorruptBlock,
+    Layout,
+    LayoutError,
+    Namespace,
+    round_up,
+)
+
+# --------------------------------------------------------------------------- naming
+
+
+def test_namespace_dirname_changes_with_every_field(ns, make_layout, root):
+    variants = {
+        "base": ns,
+        "model": dataclasses.replace(ns, model="other/model"),
+        "dtype": dataclasses.replace(ns, dtype="float16"),
+        "block_size": dataclasses.replace(ns, block_size=32),
+        "block_bytes": dataclasses.replace(ns, block_bytes=2 * BLOCK),
+        "tp_rank": dataclasses.replace(ns, tp_rank=1, tp_size=2),
+        "tp_size": dataclasses.replace(ns, tp_size=2),
+        "kv_layout": dataclasses.replace(ns, kv_layout="HND"),
+    }
+    dirs = {name: v.dirname() for name, v in variants.items()}
+    assert len(set(dirs.values())) == len(dirs), dirs
+    for d in dirs.values():
+        assert re.fullmatch(r"v1-[0-9a-f]{16}", d), d
+    # equal namespaces -> equal directory (pure function of the fields)
+    assert Namespace(**dataclasses.asdict(ns)).dirname() == ns.dirname()
+
+    # a block published in one namespace is invisible in every other one
+    layouts = {name: make_layout(n=v) for name, v in variants.items()}
+    assert len({lay.base for lay in layouts.values()}) == len(layouts)
+    key = b"shared-key"
+    assert layouts["base"].write_block(key, payload(key, 100))
+    for name, lay in layouts.items():
+        assert lay.exists(key) == (name == "base"), name
+        assert lay.base == os.path.join(os.path.abspath(root), variants[name].dirname())
+        with open(os.path.join(lay.base, "meta.json")) as f:
+            meta = json.load(f)
+        assert meta["format_version"] == 1
+        assert meta["dtype"] == variants[name].dtype
+        assert meta["block_bytes"] == variants[name].block_bytes
+        assert meta["tp_rank"] == variants[name].tp_rank
+
+
+def test_names_stable_across_processes_and_hash_seeds(ns, make_layout):
+    """R2: keys must map to the same file in every process (PYTHONHASHSEED varies)."""
+    lay = make_layout()
+    keys = [b"k0", b"\x00\xff" * 20, os.urandom(MAX_KEY_BYTES)]
+    script = (
+        "import sys, json\n"
+        "from kvcache_core.layout import Namespace\n"
+        f"ns = Namespace(**{dataclasses.asdict(ns)!r})\n"
+        f"keys = {keys!r}\n"
+        "import xxhash\n"
+        "print(json.dumps([ns.dirname()] + [xxhash.xxh3_128_hexdigest(k) for k in keys]))\n"
+    )
+    expect = [ns.dirname()] + [lay.name_of(k) for k in keys]
+    for seed in ("0", "1", "random"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=REPO)
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, check=True, timeout=60).stdout
+        assert json.loads(out) == expect
+    for k in keys:
+        h = lay.name_of(k)
+        assert lay.path_for(k) == f"{lay.base}/{h[:2]}/{h[2:4]}/{h}"
+
+
+def test_path_lookup_and_file_size(make_layout, ns):
+    lay = make_layout()
+    key = b"block-0001"
+    path = lay.path_for(key)
+    assert not lay.exists(key)
+    assert not os.path.exists(path)
+    assert lay.read_block(key) is None
+    assert lay.write_block(key, payload(key, BLOCK))
+    assert lay.exists(key)
+    assert os.path.isfile(path)
+    assert os.path.getsize(path) == ns.file_bytes == HEADER_BYTES + BLOCK
+    assert not lay.exists(b"block-0002")
+    lay.remove(key)
+    assert not lay.exists(key)
+    assert read_ledger(lay.base) == 0
+
+
+# --------------------------------------------------------------------------- header
+
+
+@pytest.mark.parametrize("n", [1, 1000, 4096, 4097, BLOCK - 1, BLOCK])
+def test_header_round_trip(make_layout, ns, n):
+    lay = make_layout()
+    key = f"rt-{n}".encode()
+    data = payload(key, n)
+    assert lay.write_block(key, data)
+    path = lay.path_for(key)
+    assert os.path.getsize(path) == HEADER_BYTES + round_up(n)
+    assert header_key(path) == key
+    assert lay.read_block(key) == data
+    # the raw file validates with check_block, and only for its own key
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
+    raw += bytes(ns.file_bytes - len(raw))
+    mv = memoryview(raw)
+    assert lay.check_block(mv, os.path.getsize(path), key) == n
+    with pytest.raises(CorruptBlock, match="key mismatch"):
+        lay.check_block(mv, os.path.getsize(path), b"another key")
+    # padding after the payload is zero
+    assert raw[HEADER_BYTES + n: HEADER_BYTES + round_up(n)] == bytes(round_up(n) - n)
+
+
+def test_fill_header_and_check_block_in_memory(make_layout, ns):
+    lay = make_layout()
+    slot = memoryview(bytearray(ns.file_bytes))
+    key = b"mem"
+    data = payload(key, 5000)
+    slot[HEADER_BYTES: HEADER_BYTES + 5000] = data
+    total = lay.fill_header(slot, key, 5000)
+    assert total == HEADER_BYTES + 8192
+    assert lay.check_block(slot, total, key) == 5000
+    slot[HEADER_BYTES + 10] ^= 0x01
+    with pytest.raises(CorruptBlock, match="payload checksum"):
+        lay.check_block(slot, total, key)
+    assert lay.check_block(slot, total, key, verify=False) == 5000  # verify off: no hash
+    with pytest.raises(CorruptBlock, match="truncated payload"):
+        lay.check_block(slot, HEADER_BYTES + 100, key, verify=False)
+    with pytest.raises(CorruptBlock, match="truncated header"):
+        lay.check_block(slot, 100, key)
+    with pytest.raises(ValueError):
+        lay.fill_header(slot, key, ns.file_bytes)  # does not fit the slot
+
+
+def test_key_length_limit(make_layout):
+    lay = make_layout()
+    ok = b"k" * MAX_KEY_BYTES
+    assert lay.write_block(ok, b"x")
+    assert lay.read_block(ok) == b"x"
+    with pytest.raises(ValueError, match="key longer"):
+        lay.write_block(b"k" * (MAX_KEY_BYTES + 1), b"x")
+    assert list_files(lay.base)[1] == []
+
+
+def test_block_bytes_must_be_positive(root):
+    with pytest.raises(ValueError):
+        Layout(root, Namespace("m", "bf16", 16, 0))
+
+
+# --------------------------------------------------------------------------- publish
+
+
+def test_publish_same_key_twice_counts_once(make_layout, ns):
+    lay = make_layout()
+    key = b"twice"
+    assert lay.write_block(key, payload(key, BLOCK)) is True
+    assert lay.write_block(key, payload(key, BLOCK)) is False
+    assert read_ledger(lay.base) == ns.file_bytes
+    assert lay.stats.published == 1
+
+    # two writers racing on one key: both have a temp file, the second publish loses
+    key2 = b"race"
+    lay.reserve(ns.file_bytes)
+    tmps = []
+    for _ in range(2):
+        tmp, final = lay.temp_path_for(key2)
+        slot = memoryview(bytearray(ns.file_bytes))
+        slot[HEADER_BYTES:] = payload(key2, BLOCK)
+        n = lay.fill_header(slot, key2, BLOCK)
+        with open(tmp, "wb") as f:
+            f.write(slot[:n])
+        tmps.append((tmp, final, n))
+    assert tmps[0][0] != tmps[1][0]
+    assert lay.publish(*tmps[0]) is True
+    assert lay.publish(*tmps[1]) is False
+    assert lay.stats.publish_existing == 1
+    assert lay.read_block(key2) == payload(key2, BLOCK)
+    assert read_ledger(lay.base) == 2 * ns.file_bytes == published_bytes(lay.base)
+    finals, temps = list_files(lay.base)
+    assert temps == [] and len(finals) == 2
+
+
+def test_discard_removes_temp(make_layout):
+    lay = make_layout()
+    tmp, final = lay.temp_path_for(b"d")
+    open(tmp, "wb").close()
+    lay.discard(tmp)
+    lay.discard(tmp)  # idempotent
+    assert not os.path.exists(tmp) and not os.path.exists(final)
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+@pytest.mark.parametrize("refresh", ["none", "touch", "read_block"])
+def test_eviction_is_least_recently_used(make_layout, ns, refresh):
+    fb = ns.file_bytes
+    lay = make_layout(max_disk_bytes=4 * fb + 100)
+    keys = [b"a", b"b", b"c", b"d"]
+    for k in keys:
+        assert lay.write_block(k, payload(k, BLOCK))
+    assert read_ledger(lay.base) == 4 * fb
+    if refresh == "touch":
+        lay.touch(b"a")
+    elif refresh == "read_block":
+        assert lay.read_block(b"a") == payload(b"a", BLOCK)
+    # the 5th block does not fit: evict to 90% of the bound minus the new block
+    assert lay.write_block(b"e", payload(b"e", BLOCK))
+    present = {k.decode() for k in keys + [b"e"] if lay.exists(k)}
+    if refresh == "none":
+        assert present == {"c", "d", "e"}
+    else:
+        assert present == {"a", "d", "e"}
+    assert lay.stats.evicted_files == 2
+    assert read_ledger(lay.base) == published_bytes(lay.base) == 3 * fb
+    for k in present:
+        assert lay.read_block(k.encode()) == payload(k.encode(), BLOCK)
+
+
+def test_block_larger_than_bound_is_dropped(make_layout, ns):
+    lay = make_layout(max_disk_bytes=ns.file_bytes - 1)
+    assert lay.write_block(b"big", payload(b"big", BLOCK)) is False
+    assert lay.stats.dropped_over_capacity == 1
+    assert not lay.exists(b"big")
+    assert list_files(lay.base) == ([], [])
+    assert read_ledger(lay.base) == 0
+
+
+def test_eviction_scans_files_of_a_previous_process(make_layout, ns, root):
+    """A new process (empty LRU heap) still evicts the oldest files found on disk."""
+    fb = ns.file_bytes
+    lay = make_layout()
+    for i in range(6):
+        k = f"old{i}".encode()
+        lay.write_block(k, payload(k, BLOCK))
+        t = time.time() - 1000 + i
+        os.utime(lay.path_for(k), (t, t))
+    lay.close()
+    lay2 = make_layout(max_disk_bytes=6 * fb)
+    assert lay2.write_block(b"new", payload(b"new", BLOCK))
+    assert lay2.exists(b"new")
+    # 90% of 6 files minus the new one -> at most 4 old files stay; the oldest went
+    assert not lay2.exists(b"old0") and not lay2.exists(b"old1")
+    assert lay2.exists(b"old5")
+    assert read_ledger(lay2.base) == published_bytes(lay2.base) <= 6 * fb
+
+
+def test_ledger_equals_file_sizes_after_churn(make_layout, ns):
+    rng = random.Random(1234)
+    fb = ns.file_bytes
+    bound = 12 * fb
+    lay = make_layout(max_disk_bytes=bound)
+    universe = [f"churn-{i}".encode() for i in range(40)]
+    for step in range(400):
+        k = rng.choice(universe)
+        op = rng.random()
+        if op < 0.55:
+            lay.write_block(k, payload(k, rng.randint(1, BLOCK)))
+        elif op < 0.7:
+            lay.remove(k)
+        elif op < 0.85:
+            got = lay.read_block(k)
+            assert got is None or header_key(lay.path_for(k)) == k
+        else:  # corrupt a payload byte in place (same size): the next read removes it
+            p = lay.path_for(k)
+            if os.path.exists(p):
+                with open(p, "r+b") as f:
+                    f.seek(HEADER_BYTES)
+                    b = f.read(1)
+                    f.seek(HEADER_BYTES)
+                    f.write(bytes([b[0] ^ 0xFF]))
+                assert lay.read_block(k) is None
+                assert not lay.exists(k)
+        ledger = read_ledger(lay.base)
+        assert ledger == published_bytes(lay.base), f"step {step}"
+        assert ledger <= bound, f"step {step}"
+    assert lay.stats.evicted_files > 0
+    assert list_files(lay.base)[1] == []
+
+
+def test_collect_stale_temps(make_layout):
+    lay = make_layout()
+    mine, _ = lay.temp_path_for(b"x")
+    d = os.path.dirname(mine)
+    foreign_old = os.path.join(d, f"{TMP_PREFIX}otherhost.1.0")
+    foreign_new = os.path.join(d, f"{TMP_PREFIX}otherhost.1.1")
+    for p in (mine, foreign_old, foreign_new):
+        open(p, "wb").close()
+    old = time.time() - 3600
+    os.utime(foreign_old, (old, old))
+    os.utime(mine, (old, old))
+    assert lay.collect_stale_temps(max_age_s=600) == 1
+    assert not os.path.exists(foreign_old)
+    assert os.path.exists(foreign_new) and os.path.exists(mine)  # young / own: kept
+    for p in (mine, foreign_new):
+        os.unlink(p)
+
+
+def test_two_layouts_of_one_namespace_in_one_process(root, ns, tmp_path):
+    """Two Layout objects of the same namespace in ONE process (e.g. vLLM's scheduler-side
+    manager and worker in a single process) must both open. The writer liveness lock
+    must not make the second constructor block on the first one's flock."""
+    script = (
+        "import sys\n"
+        "from kvcache_core.layout import Layout, Namespace\n"
+        f"ns = Namespace(**{dataclasses.asdict(ns)!r})\n"
+        f"a = Layout({root!r}, ns)\n"
+        f"b = Layout({root!r}, ns)\n"
+        "assert a.write_block(b'k', b'v')\n"
+        "assert b.exists(b'k') and b.read_block(b'k') == b'v'\n"
+        "b.close(); a.close()\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=REPO)
+    try:
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the second Layout(root, ns) in the same process blocked forever "
+                    "(flock on .writers/<host>.<pid> already held by the first one)")
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# --------------------------------------------------------------------------- bad roots
+
+_NOBODY_SCRIPT = """
+import json, sys
+from kvcache_core.layout import Layout, LayoutError, Namespace
+try:
+    Layout(sys.argv[1], Namespace("m", "bf16", 16, 4096))
+except LayoutError as e:
+    print(json.dumps({"cls": "LayoutError", "errno": e.errno, "msg": str(e)}))
+except Exception as e:
+    print(json.dumps({"cls": type(e).__name__, "errno": None, "msg": str(e)}))
+else:
+    print(json.dumps({"cls": None, "errno": None, "msg": ""}))
+"""
+
+
+def _layout_error_as_nobody(path: str) -> dict:
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root and setpriv is unavailable: cannot drop privileges")
+    env = dict(os.environ, PYTHONPATH=REPO, PYTHONDONTWRITEBYTECODE="1")
+    cmd = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+           "-c", _NOBODY_SCRIPT, path]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    if out.returncode != 0 or not out.stdout.strip():
+        pytest.skip(f"cannot run python as uid 65534 here: {out.stderr.strip()[-300:]}")
+    return json.loads(out.stdout)
+
+
+@pytest.fixture
+def public_dir():
+    """A directory that uid 65534 can traverse (pytest's tmp_path is 0700 root-only)."""
+    d = tempfile.mkdtemp(prefix="kvcache-perm-")
+    os.chmod(d, 0o755)
+    yield d
+    for dirpath, dirnames, _ in os.walk(d):
+        for n in dirnames:
+            os.chmod(os.path.join(dirpath, n), 0o755)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("which", ["root_itself", "child_of_root"])
+def test_unwritable_root(public_dir, which):
+    ro = os.path.join(public_dir, "readonly")
+    os.mkdir(ro)
+    target = ro if which == "root_itself" else os.path.join(ro, "cache")
+    if os.geteuid() == 0:
+        os.chown(ro, 65534, 65534)
+        os.chmod(ro, 0o500)
+        res = _layout_error_as_nobody(target)
+    else:
+        os.chmod(ro, 0o500)
+        try:
+            Layout(target, Namespace("m", "bf16", 16, 4096))
+        except LayoutError as e:
+            res = {"cls": "LayoutError", "errno": e.errno, "msg": str(e)}
+        else:
+            res = {"cls": None, "errno": None, "msg": ""}
+    assert res["cls"] == "LayoutError", res
+    assert res["errno"] == errno.EACCES, res
+    assert target in res["msg"] and "root_dir" in res["msg"], res
+    expect = "not writable" if which == "root_itself" else "cannot be created"
+    assert expect in res["msg"], res
+    assert os.listdir(ro) == []  # nothing was created
+
+
+def test_root_below_a_regular_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    target = str(f / "cache")
+    with pytest.raises(LayoutError) as ei:
+        Layout(target, Namespace("m", "bf16", 16, 4096))
+    assert ei.value.errno == errno.ENOTDIR
+    assert target in str(ei.value)
+
+
+def test_root_that_is_a_regular_file(tmp_path):
+    """A root that exists as a regular file must say so ('is not a directory', ENOTDIR),
+    not report a failed creation ('cannot be created: File exists')."""
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(LayoutError) as ei:
+        Layout(str(f), Namespace("m", "bf16", 16, 4096))
+    msg = str(ei.value)
+    assert str(f) in msg
+    assert ei.value.errno == errno.ENOTDIR, msg
+    assert "not a directory" in msg, msg
+    assert f.read_bytes() == b"x"
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_defaults_and_round_trip():
+    cfg = StorageConfig()
+    assert set(StorageConfig.keys()) >= {"root_dir", "staging_bytes", "io_depth", "lookahead",
+                                         "copy_headroom", "dram_cache_bytes",
+                                         "eviction_policy", "block_size", "max_disk_bytes",
+                                         "durable"}
+    d = {k: getattr(cfg, k) for k in StorageConfig.keys()}
+    assert StorageConfig.from_dict(d) == cfg
+    assert StorageConfig.from_json(json.dumps(d)) == cfg
+    c2 = StorageConfig.from_dict({"io_depth": 4, "spec_name": "X"}, allowed_extra=("spec_name",))
+    assert c2.io_depth == 4 and c2.extra == {"spec_name": "X"}
+
+
+def test_config_unknown_key_is_named():
+    with pytest.raises(ConfigError) as ei:
+        StorageConfig.from_dict({"root_dir": "/x", "io_dept": 4})
+    assert "'io_dept'" in str(ei.value)
+    assert "io_depth" in str(ei.value)  # the valid keys are listed
+    with pytest.raises(ConfigError, match="'spec_name'"):
+        StorageConfig.from_dict({"spec_name": "PyKVCacheSpec"})
+    with pytest.raises(ConfigError, match="'extra'"):
+        StorageConfig.from_dict({"extra": {}})
+
+
+@pytest.mark.parametrize("key,value", [
+    ("io_depth", 0),
+    ("io_depth", 257),
+    ("io_depth", "8"),
+    ("io_depth", True),
+    ("io_depth", 2.5),
+    ("staging_bytes", 0),
+    ("staging_bytes", -1),
+    ("lookahead", -1),
+    ("copy_headroom", -2),
+    ("dram_cache_bytes", -1),
+    ("block_size", 0),
+    ("max_disk_bytes", -5),
+    ("max_disk_bytes", None),
+    ("root_dir", ""),
+    ("root_dir", 5),
+    ("eviction_policy", "fifo"),
+    ("direct_io", True),
+    ("direct_io", "yes"),
+    ("engine", "spdk"),
+    ("durable", "yes"),
+    ("durable", 1),
+    ("verify_checksum", "no"),
+])
+def test_config_bad_value_names_the_key(key, value):
+    with pytest.raises(ConfigError) as ei:
+        StorageConfig.from_dict({key: value})
+    assert f"'{key}'" in str(ei.value), str(ei.value)
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        StorageConfig.from_json(json.dumps({key: value}))
+
+
+def test_config_json_errors_and_pool_check():
+    with pytest.raises(ConfigError, match="JSON"):
+        StorageConfig.from_json("{not json")
+    with pytest.raises(ConfigError, match="object"):
+        StorageConfig.from_json("[1, 2]")
+    cfg = StorageConfig(staging_bytes=10 * 4096, io_depth=8, copy_headroom=4)
+    with pytest.raises(ConfigError, match="'staging_bytes'"):
+        cfg.check_pool(4096)
+    StorageConfig(staging_bytes=12 * 4096, io_depth=8, copy_headroom=4).check_pool(4096)
+    StorageConfig(staging_bytes=9 * 4096, io_depth=8, copy_headroom=0).check_pool(4096)

@@ -1,0 +1,659 @@
+"""Reactor end to end on CPU (MemcpyCopier), real files, io_uring and POSIX engines."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+from helpers.kvutil import (
+    BLOCK,
+    REPO,
+    Collector,
+    close_reactor,
+    finish,
+    gated_copier_factory,
+    list_files,
+    payload,
+    payload_len,
+    published_bytes,
+    read_ledger,
+    sentinel_buf,
+    wait_until,
+)
+
+import kvcache_core.io as kio
+from kvcache_core.copy import MemcpyCopier
+from kvcache_core.layout import HEADER_BYTES, round_up
+from kvcache_core.reactor import Reactor
+from kvcache_core.staging import Priority
+
+
+def keys_of(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}-{i:04d}".encode() for i in range(n)]
+
+
+def store_all(r: Reactor, keys: list[bytes], req_id="store", lengths=None) -> None:
+    items = []
+    for k in keys:
+        n = lengths[k] if lengths else BLOCK
+        items.append((k, payload(k, n), n))
+    r.store(req_id, items)
+
+
+def check_dests(keys, dests, lengths=None) -> None:
+    for k, d in zip(keys, dests, strict=True):
+        n = lengths[k] if lengths else BLOCK
+        assert bytes(d[:n]) == payload(k, n), f"wrong bytes for {k!r}"
+        assert d[n:] == sentinel_buf(len(d) - n), f"bytes past the payload written for {k!r}"
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def test_store_then_load_round_trip(make_layout, make_reactor, ns, engine):
+    lay = make_layout()
+    r = make_reactor(lay)
+    assert r.engine.name == engine
+    assert r.direct, "tmp_path is a real disk filesystem: O_DIRECT should be used"
+    keys = keys_of("rt", 24)
+    lengths = {k: payload_len(k, BLOCK) for k in keys}
+    store_all(r, keys, lengths=lengths)
+    c = finish(r)["store"]
+    assert c.kind == "store" and c.ok == [True] * len(keys) and c.success
+    sizes = sum(HEADER_BYTES + round_up(lengths[k]) for k in keys)
+    assert r.stats.stores_ok == len(keys)
+    assert r.stats.bytes_written == sizes == published_bytes(lay.base) == read_ledger(lay.base)
+    assert list_files(lay.base)[1] == []
+    for k in keys:  # what is on disk is what the synchronous reader expects
+        assert lay.read_block(k) == payload(k, lengths[k])
+
+    dests = [sentinel_buf(BLOCK) for _ in keys]
+    r.load("load", [(k, d, lengths[k]) for k, d in zip(keys, dests, strict=True)])
+    c = finish(r)["load"]
+    assert c.kind == "load" and c.ok == [True] * len(keys)
+    check_dests(keys, dests, lengths)
+    s = r.snapshot()
+    assert s["loads_ok"] == len(keys) and s["bytes_read"] == sizes
+    assert s["loads_miss"] == s["loads_corrupt"] == s["loads_error"] == 0
+    assert s["stores_error"] == 0 and s["errors"] == {}
+    assert s["engine"] == engine
+
+
+def test_request_larger_than_pool_streams(make_layout, make_reactor, ns):
+    lay = make_layout()
+    n_slots = 6
+    r = make_reactor(lay, n_slots=n_slots, io_depth=4, lookahead=4)
+    assert r.pool.nbytes == n_slots * ns.file_bytes  # nothing sized by the request
+    keys = keys_of("stream", 40)
+    store_all(r, keys)
+    assert finish(r)["store"].ok == [True] * 40
+    dests = [sentinel_buf(BLOCK) for _ in keys]
+    r.load("load", [(k, d, BLOCK) for k, d in zip(keys, dests, strict=True)])
+    assert finish(r)["load"].ok == [True] * 40
+    check_dests(keys, dests)
+    s = r.snapshot()
+    assert s["peak_busy_slots"] <= n_slots
+    assert s["peak_staging_bytes"] <= r.pool.nbytes
+    assert s["copy_batches"] >= 40 // n_slots  # streamed through, batch by batch
+    r.alloc.check()
+    assert r.alloc.busy == 0
+
+
+def test_missing_keys_fail_only_their_items(make_layout, make_reactor):
+    lay = make_layout()
+    r = make_reactor(lay)
+    present = keys_of("here", 2)
+    store_all(r, present)
+    finish(r)
+    keys = [present[0], b"absent-1", present[1], b"absent-2"]
+    dests = [sentinel_buf(BLOCK) for _ in keys]
+    r.load("mixed", [(k, d, BLOCK) for k, d in zip(keys, dests, strict=True)])
+    c = finish(r)["mixed"]
+    assert c.ok == [True, False, True, False] and not c.success and not c.cancelled
+    assert r.stats.loads_miss == 2 and r.stats.loads_ok == 2
+    check_dests([present[0], present[1]], [dests[0], dests[2]])
+    assert dests[1] == sentinel_buf(BLOCK) and dests[3] == sentinel_buf(BLOCK)
+
+
+def test_store_of_existing_key_is_ok_and_not_rewritten(make_layout, make_reactor, ns):
+    lay = make_layout()
+    r = make_reactor(lay)
+    k = b"exists"
+    assert lay.write_block(k, payload(k, BLOCK))
+    ino = os.stat(lay.path_for(k)).st_ino
+    r.store("again", [(k, payload(k, BLOCK), BLOCK), (k, payload(k, BLOCK), BLOCK)])
+    assert finish(r)["again"].ok == [True, True]
+    assert r.stats.stores_existing == 2 and r.stats.stores_ok == 0
+    assert os.stat(lay.path_for(k)).st_ino == ino
+    assert read_ledger(lay.base) == ns.file_bytes
+
+
+def test_empty_request_and_same_key_twice(make_layout, make_reactor):
+    lay = make_layout()
+    col = Collector()
+    r = make_reactor(lay, on_complete=col)
+    r.load("empty", [])
+    r.store("empty-store", [])
+    k = b"twice"
+    store_all(r, [k])
+    done = finish(r)
+    assert done["empty"].ok == [] and done["empty"].success
+    assert done["empty-store"].ok == []
+    d1, d2 = sentinel_buf(BLOCK), sentinel_buf(BLOCK)
+    r.load("dup", [(k, d1, BLOCK), (k, d2, BLOCK)])
+    assert finish(r)["dup"].ok == [True, True]
+    check_dests([k, k], [d1, d2])
+    assert set(col.done) == {"empty", "empty-store", "store", "dup"} and not col.duplicates
+
+
+def test_pool_must_exceed_io_depth(make_layout, engine):
+    lay = make_layout()
+    with pytest.raises(ValueError, match="io_depth"):
+        Reactor(lay, n_slots=4, io_depth=4, engine=engine, pin=False)
+
+
+def test_durable_store(make_layout, make_reactor):
+    lay = make_layout(durable=True)
+    r = make_reactor(lay)
+    keys = keys_of("durable", 8)
+    store_all(r, keys)
+    assert finish(r)["store"].ok == [True] * 8
+    assert r.stats.stores_ok == 8 and r.stats.errors == {}
+    dests = [sentinel_buf(BLOCK) for _ in keys]
+    r.load("l", [(k, d, BLOCK) for k, d in zip(keys, dests, strict=True)])
+    assert finish(r)["l"].ok == [True] * 8
+    check_dests(keys, dests)
+    assert list_files(lay.base)[1] == []
+
+
+@pytest.mark.parametrize("direct_io", ["off", "auto"])
+def test_dev_shm_root(make_layout, make_reactor, direct_io):
+    """tmpfs root; with direct_io off the buffered read/write path is exercised."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("/dev/shm is not available")
+    shm = tempfile.mkdtemp(prefix="kvcache-test-", dir="/dev/shm")
+    try:
+        lay = make_layout(r=shm)
+        r = make_reactor(lay, direct_io=direct_io)
+        if direct_io == "off":
+            assert r.direct is False
+        keys = keys_of("shm", 12)
+        lengths = {k: payload_len(k, BLOCK) for k in keys}
+        store_all(r, keys, lengths=lengths)
+        assert finish(r)["store"].ok == [True] * 12
+        dests = [sentinel_buf(BLOCK) for _ in keys]
+        r.load("l", [(k, d, lengths[k]) for k, d in zip(keys, dests, strict=True)])
+        assert finish(r)["l"].ok == [True] * 12
+        check_dests(keys, dests, lengths)
+        close_reactor(r)
+        lay.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_direct_io_on_required(make_layout, make_reactor):
+    lay = make_layout()
+    r = make_reactor(lay, direct_io="on")
+    assert r.direct
+    store_all(r, [b"d"])
+    assert finish(r)["store"].ok == [True]
+
+
+def test_concurrent_client_threads(make_layout, make_reactor):
+    lay = make_layout()
+    col = Collector()
+    r = make_reactor(lay, n_slots=6, io_depth=3, on_complete=col)
+    errors: list[str] = []
+
+    def client(t: int) -> None:
+        keys = keys_of(f"thread{t}", 10)
+        r.store(("s", t), [(k, payload(k, BLOCK), BLOCK) for k in keys])
+        c = col.get(("s", t))
+        if c is None or c.ok != [True] * 10:
+            errors.append(f"store {t}: {c}")
+            return
+        for rnd in range(3):
+            dests = [sentinel_buf(BLOCK) for _ in keys]
+            r.load(("l", t, rnd), [(k, d, BLOCK) for k, d in zip(keys, dests, strict=True)])
+            c = col.get(("l", t, rnd))
+            if c is None or c.ok != [True] * 10:
+                errors.append(f"load {t}/{rnd}: {c}")
+                return
+            for k, d in zip(keys, dests, strict=True):
+                if bytes(d) != payload(k, BLOCK):
+                    errors.append(f"wrong bytes {k!r}")
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    assert len(col.done) == 4 + 12 and not col.duplicates
+    assert r.wait(5)
+
+
+# --------------------------------------------------------------------------- DRAM tier
+
+
+def test_dram_tier_serves_second_load_without_disk(make_layout, make_reactor):
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=8, io_depth=2, retain=True)
+    keys = keys_of("dram", 4)
+    for k in keys:  # published by someone else: the first load must read the disk
+        lay.write_block(k, payload(k, BLOCK))
+    d1 = [sentinel_buf(BLOCK) for _ in keys]
+    r.load("first", [(k, d, BLOCK) for k, d in zip(keys, d1, strict=True)])
+    assert finish(r)["first"].ok == [True] * 4
+    check_dests(keys, d1)
+    read_after_first = r.stats.bytes_read
+    assert read_after_first == 4 * lay.ns.file_bytes and r.stats.loads_dram == 0
+    d2 = [sentinel_buf(BLOCK) for _ in keys]
+    r.load("second", [(k, d, BLOCK) for k, d in zip(keys, d2, strict=True)])
+    assert finish(r)["second"].ok == [True] * 4
+    check_dests(keys, d2)
+    assert r.stats.loads_dram == 4
+    assert r.stats.bytes_read == read_after_first  # no extra disk bytes
+    assert r.snapshot()["cached_slots"] == 4
+    # the DRAM copy survives the file's removal (content-addressed, immutable)
+    for k in keys:
+        lay.remove(k)
+    d3 = [sentinel_buf(BLOCK) for _ in keys]
+    r.load("third", [(k, d, BLOCK) for k, d in zip(keys, d3, strict=True)])
+    assert finish(r)["third"].ok == [True] * 4
+    check_dests(keys, d3)
+
+    # stores retain their slot too: a load right after a store is a DRAM hit
+    fresh = keys_of("stored", 2)
+    store_all(r, fresh)
+    finish(r)
+    before = r.stats.loads_dram
+    d4 = [sentinel_buf(BLOCK) for _ in fresh]
+    r.load("fourth", [(k, d, BLOCK) for k, d in zip(fresh, d4, strict=True)])
+    assert finish(r)["fourth"].ok == [True] * 2
+    check_dests(fresh, d4)
+    assert r.stats.loads_dram == before + 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_dram_tier_reclaimed_by_foreground_work(make_layout, make_reactor, policy):
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=4, io_depth=2, retain=True, policy=policy)
+    keys = keys_of("reclaim", 12)
+    store_all(r, keys)
+    assert finish(r)["store"].ok == [True] * 12
+    for rnd in range(3):
+        dests = [sentinel_buf(BLOCK) for _ in keys]
+        r.load(rnd, [(k, d, BLOCK) for k, d in zip(keys, dests, strict=True)])
+        assert finish(r)[rnd].ok == [True] * 12
+        check_dests(keys, dests)
+    assert r.alloc.reclaimed > 0
+    assert r.alloc.cached <= 4
+    r.alloc.check()
+
+
+def test_dram_hit_copies_the_same_bytes_as_a_disk_hit(make_layout, make_reactor):
+    """A block whose payload is shorter than the requested nbytes: the disk path copies
+    the stored payload only; a DRAM-tier hit of the same key must not write anything
+    else (padding, or stale bytes of the slot's previous block) into the destination."""
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=3, io_depth=2, retain=True, direct_io="off")
+    junk = [(f"junk{i}".encode(), b"\xaa" * BLOCK, BLOCK) for i in range(3)]
+    r.store("junk", junk)  # every slot now holds (and retains) a full block of 0xAA
+    finish(r)
+    key = b"partial"
+    data = payload(key, 1000)
+    assert lay.write_block(key, data)
+    got = {}
+    for tier in ("disk", "dram"):
+        d = sentinel_buf(BLOCK)
+        r.load(tier, [(key, d, BLOCK)])
+        assert finish(r)[tier].ok == [True]
+        got[tier] = bytes(d)
+    assert r.stats.loads_dram == 1
+    assert got["disk"][:1000] == data and got["disk"][1000:] == bytes(sentinel_buf(BLOCK - 1000))
+    assert got["dram"][:1000] == data
+    diff = sum(a != b for a, b in zip(got["dram"], got["disk"], strict=True))
+    assert got["dram"] == got["disk"], (
+        f"DRAM hit wrote {diff} bytes past the stored payload (0xAA bytes from another "
+        f"block: {got['dram'][1000:].count(0xAA)})")
+
+
+def test_nbytes_zero_means_whole_payload_in_both_tiers(make_layout, make_reactor):
+    """The disk path treats nbytes=0 as 'the whole stored payload'; a DRAM hit must too."""
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=4, io_depth=2, retain=True)
+    k = b"zero"
+    assert lay.write_block(k, payload(k, BLOCK))
+    for tier in ("disk", "dram"):
+        d = sentinel_buf(BLOCK)
+        r.load(tier, [(k, d, 0)])
+        assert finish(r)[tier].ok == [True]
+        assert bytes(d) == payload(k, BLOCK), f"{tier} load with nbytes=0 copied wrong bytes"
+    assert r.stats.loads_dram == 1
+
+
+# --------------------------------------------------------------------------- priorities
+
+
+def test_speculative_loads_complete_with_foreground_traffic(make_layout, make_reactor):
+    lay = make_layout()
+    col = Collector()
+    r = make_reactor(lay, n_slots=6, io_depth=2, on_complete=col)
+    keys = keys_of("spec", 30)
+    store_all(r, keys)
+    finish(r)
+    spec_d = {k: sentinel_buf(BLOCK) for k in keys[:15]}
+    fg_d = {k: sentinel_buf(BLOCK) for k in keys[15:]}
+    for i, k in enumerate(keys[:15]):
+        r.load(("spec", i), [(k, spec_d[k], BLOCK)], Priority.SPECULATIVE)
+        if i % 3 == 0:
+            fk = keys[15 + i // 3 * 3: 15 + i // 3 * 3 + 3]
+            r.load(("fg", i), [(x, fg_d[x], BLOCK) for x in fk])
+    done = finish(r)
+    assert all(c.ok == [True] * len(c.ok) for c in done.values()), done
+    assert len(done) == 15 + 5
+    check_dests(list(spec_d), list(spec_d.values()))
+    check_dests(list(fg_d), list(fg_d.values()))
+    assert r.stats.loads_ok == 30
+
+
+def test_foreground_load_requeues_open_speculative_file(make_layout, make_reactor):
+    """Deterministic R8 scenario: the speculative file is open but cannot get a slot
+    (only the foreground reservation is free) when a foreground load arrives; the
+    reactor closes it and re-queues the preload, which later completes correctly."""
+    lay = make_layout()
+    gate = threading.Event()
+    held = sentinel_buf(BLOCK)
+    col = Collector()
+    r = make_reactor(lay, n_slots=3, io_depth=2, on_complete=col,
+                     copier=gated_copier_factory(gate, {id(held)}))
+    a, b, c = b"held", b"speculative", b"foreground"
+    store_all(r, [a, b, c])
+    finish(r)
+    try:
+        r.load("held", [(a, held, BLOCK)])  # its copy holds one slot until the gate opens
+        assert wait_until(lambda: r.stats.copy_batches >= 1)
+        spec_d, fg_d = sentinel_buf(BLOCK), sentinel_buf(BLOCK)
+        r.load("spec", [(b, spec_d, BLOCK)], Priority.SPECULATIVE)
+        # opened, then refused a slot: 2 free slots = the foreground reservation
+        assert wait_until(lambda: r.alloc.refused_speculative >= 1)
+        assert r.stats.spec_requeued == 0
+        r.load("fg", [(c, fg_d, BLOCK)])
+        assert wait_until(lambda: r.stats.spec_requeued >= 1)
+        assert "spec" not in col.done
+    finally:
+        gate.set()
+    done = finish(r)
+    assert done["held"].ok == done["spec"].ok == done["fg"].ok == [True]
+    check_dests([a, b, c], [held, spec_d, fg_d])
+    assert r.stats.spec_requeued == 1
+    assert r.stats.loads_ok == 3
+
+
+def test_cancel_of_a_queued_request(make_layout, make_reactor):
+    lay = make_layout()
+    gate = threading.Event()
+    held = [sentinel_buf(BLOCK) for _ in range(3)]
+    col = Collector()
+    r = make_reactor(lay, n_slots=3, io_depth=2, lookahead=4, on_complete=col,
+                     copier=gated_copier_factory(gate, {id(d) for d in held}))
+    hk = keys_of("held", 3)
+    qk = keys_of("queued", 3)
+    store_all(r, hk + qk)
+    finish(r)
+    try:
+        r.load("held", [(k, d, BLOCK) for k, d in zip(hk, held, strict=True)])
+        assert wait_until(lambda: r.stats.bytes_read == 3 * lay.ns.file_bytes)
+        assert r.alloc.busy == 3  # every slot held by a copy in progress
+        qd = [sentinel_buf(BLOCK) for _ in qk]
+        r.load("queued", [(k, d, BLOCK) for k, d in zip(qk, qd, strict=True)])
+        r.load("marker", [])  # processed after "queued" has been opened/queued
+        assert col.get("marker", 10) is not None
+        r.cancel("queued")
+        r.cancel("no-such-request")  # unknown ids are ignored
+        c = col.get("queued", 10)
+        assert c is not None, "cancelled request did not complete while slots were held"
+        assert c.cancelled and c.ok == [False] * 3 and not c.success
+        assert all(d == sentinel_buf(BLOCK) for d in qd)
+        assert "held" not in col.done
+    finally:
+        gate.set()
+    done = finish(r)
+    assert done["held"].ok == [True] * 3 and not done["held"].cancelled
+    check_dests(hk, held)
+    # the cancelled keys are still loadable
+    qd = [sentinel_buf(BLOCK) for _ in qk]
+    r.load("again", [(k, d, BLOCK) for k, d in zip(qk, qd, strict=True)])
+    assert finish(r)["again"].ok == [True] * 3
+    check_dests(qk, qd)
+
+
+def _threads_in_openat() -> int:
+    """Threads of this process blocked in openat (x86_64 syscall 257)."""
+    n = 0
+    for f in glob.glob(f"/proc/{os.getpid()}/task/*/syscall"):
+        try:
+            with open(f) as fh:
+                first = fh.read().split(" ", 1)[0]
+        except OSError:
+            continue
+        n += first == "257"
+    return n
+
+
+def _thread_in_openat() -> bool:
+    return _threads_in_openat() > 0
+
+
+def _fifo_keys(lay, tag: str, n: int) -> list[bytes]:
+    keys = keys_of(tag, n)
+    for k in keys:
+        p = lay.path_for(k)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        os.mkfifo(p)
+    return keys
+
+
+def _release_fifos(lay, keys) -> None:
+    """Let every open blocked on one of the FIFOs finish (writer opens and closes)."""
+    for k in keys:
+        try:
+            os.close(os.open(lay.path_for(k), os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass  # no reader yet (ENXIO) or already removed
+
+
+@pytest.mark.parametrize("engine", ["posix"])
+@pytest.mark.parametrize("prio", [Priority.SPECULATIVE, Priority.FOREGROUND])
+def test_at_most_one_speculative_open_at_a_time(make_layout, make_reactor, prio):
+    """R8: at most ONE speculative preload is open or reading. FIFOs keep the POSIX
+    engine's opens blocked, so the number of opens in flight is observable; foreground
+    loads (the control) open up to the lookahead in parallel."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("syscall-number probe written for x86_64")
+    lay = make_layout()
+    col = Collector()
+    r = make_reactor(lay, n_slots=6, io_depth=4, lookahead=4, on_complete=col)
+    keys = _fifo_keys(lay, "fifo", 3)
+    try:
+        for i, k in enumerate(keys):
+            r.load(i, [(k, sentinel_buf(BLOCK), BLOCK)], prio)
+        assert wait_until(_thread_in_openat, 10)
+        expect = 1 if prio == Priority.SPECULATIVE else 3
+        assert wait_until(lambda: _threads_in_openat() >= expect, 2)
+        threading.Event().wait(0.2)  # give a wrongly started second open time to show
+        assert _threads_in_openat() == expect
+        assert wait_until(lambda: (_release_fifos(lay, keys), len(col.done) == 3)[1], 20)
+    finally:
+        _release_fifos(lay, keys)
+        assert r.wait(10)
+        for k in keys:
+            if os.path.exists(lay.path_for(k)):
+                os.unlink(lay.path_for(k))
+    assert all(c.ok == [False] for c in col.done.values())
+
+
+@pytest.mark.parametrize("engine", ["posix"])
+def test_cancel_speculative_load_while_its_open_is_in_flight(make_layout, make_reactor):
+    """Cancel a speculative load whose open is in flight (a FIFO keeps the POSIX
+    engine's open blocked). After it completes as cancelled, later speculative loads
+    must still run: the reactor must not keep the cancelled task as the active one."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("syscall-number probe written for x86_64")
+    lay = make_layout()
+    col = Collector()
+    r = make_reactor(lay, n_slots=4, io_depth=2, on_complete=col)
+    good = b"present"
+    assert lay.write_block(good, payload(good, BLOCK))
+    fifo_key = b"fifo"
+    p = lay.path_for(fifo_key)
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    os.mkfifo(p)
+    try:
+        r.load("spec", [(fifo_key, sentinel_buf(BLOCK), BLOCK)], Priority.SPECULATIVE)
+        assert wait_until(_thread_in_openat, 10), "speculative open never started"
+        r.cancel("spec")
+        r.load("marker", [])
+        assert col.get("marker", 10) is not None  # the cancel has been handled
+        fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK)  # let the blocked open finish
+        os.close(fd)
+        c = col.get("spec", 10)
+        assert c is not None and c.cancelled and c.ok == [False]
+        d = sentinel_buf(BLOCK)
+        r.load("spec2", [(good, d, BLOCK)], Priority.SPECULATIVE)
+        c2 = col.get("spec2", 5)
+        assert c2 is not None, ("speculative load never started after a speculative load "
+                                "was cancelled during its open (stale _spec_active)")
+        assert c2.ok == [True] and bytes(d) == payload(good, BLOCK)
+    finally:
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def test_posix_fallback_when_io_uring_disabled(make_layout, monkeypatch, caplog):
+    monkeypatch.setenv("KVCACHE_DISABLE_IO_URING", "1")
+    ok, why = kio.uring_available()
+    assert not ok and "KVCACHE_DISABLE_IO_URING" in why
+    kio._warned.clear()
+    lay = make_layout()
+    reactors = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvcache_core.io"):
+            for _ in range(3):
+                reactors.append(Reactor(lay, n_slots=3, io_depth=2, engine="auto",
+                                        copier=MemcpyCopier, pin=False))
+        assert [x.engine.name for x in reactors] == ["posix"] * 3
+        recs = [rec for rec in caplog.records if rec.name == "kvcache_core.io"]
+        assert len(recs) == 1, [rec.getMessage() for rec in recs]
+        assert recs[0].levelno == logging.WARNING
+        msg = recs[0].getMessage()
+        assert "io_uring unavailable" in msg and "KVCACHE_DISABLE_IO_URING" in msg
+        r = reactors[0]
+        store_all(r, [b"fallback"])
+        assert finish(r)["store"].ok == [True]
+        d = sentinel_buf(BLOCK)
+        r.load("l", [(b"fallback", d, BLOCK)])
+        assert finish(r)["l"].ok == [True]
+        check_dests([b"fallback"], [d])
+    finally:
+        for x in reactors:
+            close_reactor(x)
+        kio._warned.clear()
+
+
+def test_io_uring_required_but_disabled(make_layout, monkeypatch):
+    monkeypatch.setenv("KVCACHE_DISABLE_IO_URING", "1")
+    lay = make_layout()
+    with pytest.raises(RuntimeError, match="io_uring"):
+        Reactor(lay, n_slots=3, io_depth=2, engine="io_uring", pin=False)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("case", ["key_too_long", "store_larger_than_block",
+                                  "dest_smaller_than_nbytes"])
+def test_bad_request_fails_its_item_and_reactor_keeps_serving(make_layout, make_reactor,
+                                                              case):
+    """'Errors never escape the reactor': a caller mistake must fail that item (or be
+    refused at submission), never kill the reactor thread and hang later requests."""
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=4, io_depth=2)
+    k = b"fine"
+    assert lay.write_block(k, payload(k, BLOCK))
+    try:
+        if case == "key_too_long":
+            r.store("bad", [(b"k" * 65, payload(b"x", BLOCK), BLOCK)])
+        elif case == "store_larger_than_block":
+            r.store("bad", [(b"big", bytes(2 * BLOCK), 2 * BLOCK)])
+        else:
+            r.load("bad", [(k, bytearray(100), BLOCK)])
+    except (ValueError, TypeError):
+        pass  # refused at submission: fine
+    else:
+        assert r.wait(10)
+        done = {c.req_id: c for c in r.poll()}
+        assert done["bad"].ok == [False]
+    r._thread.join(0.2)
+    assert r._thread.is_alive(), "the reactor thread died on a bad request"
+    d = sentinel_buf(BLOCK)
+    r.load("after", [(k, d, BLOCK)])
+    r.store("after-store", [(b"new", payload(b"new", BLOCK), BLOCK)])
+    assert r.wait(5), "reactor stopped serving after a bad request"
+    done = {c.req_id: c for c in r.poll()}
+    assert done["after"].ok == [True] and done["after-store"].ok == [True]
+    check_dests([k], [d])
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def test_close_finishes_in_flight_requests(make_layout, make_reactor):
+    lay = make_layout()
+    col = Collector()
+    r = make_reactor(lay, n_slots=4, io_depth=2, on_complete=col)
+    keys = keys_of("closing", 20)
+    store_all(r, keys)
+    r.close()  # no wait(): close must finish what was submitted, then stop
+    assert not r._thread.is_alive()
+    (c,) = r.poll()
+    assert c.req_id == "store" and c.ok == [True] * 20
+    for k in keys:
+        assert lay.read_block(k) == payload(k, BLOCK)
+    r.close()  # idempotent
+
+
+def test_reactor_without_pinning_does_not_import_torch(tmp_path):
+    """CPU-only users (and the crash-test children) pass pin=False: no torch import.
+    (With the default pin="auto" the pool imports torch to ask whether CUDA exists.)"""
+    script = (
+        "import sys\n"
+        "from kvcache_core.copy import MemcpyCopier\n"
+        "from kvcache_core.layout import Layout, Namespace\n"
+        "from kvcache_core.reactor import Reactor\n"
+        f"lay = Layout({str(tmp_path / 'root')!r}, Namespace('m', 'bf16', 16, 4096))\n"
+        "r = Reactor(lay, n_slots=3, io_depth=2, copier=MemcpyCopier, pin=False)\n"
+        "r.store('s', [(b'k', b'v' * 4096, 4096)])\n"
+        "r.wait(30)\n"
+        "d = bytearray(4096)\n"
+        "r.load('l', [(b'k', d, 4096)])\n"
+        "r.wait(30)\n"
+        "assert [c.success for c in r.poll()] == [True, True] and d == b'v' * 4096\n"
+        "r.close(); lay.close()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
