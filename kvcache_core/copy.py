@@ -59,7 +59,7 @@ class MemcpyCopier(Copier):
 
     def to_device(self, slots, dests, nbytes):
         views, off = self.pool.views, self.offset
-        for s, d, n in zip(slots, dests, nbytes):
+        for s, d, n in zip(slots, dests, nbytes, strict=False):
             if d is None:
                 continue
             _as_view(d)[:n] = views[s][off:off + n]
@@ -104,7 +104,7 @@ class CudaCopier(Copier):
     def to_device(self, slots, dests, nbytes):
         torch = self.torch
         with torch.cuda.stream(self.load_stream):
-            for s, d, n in zip(slots, dests, nbytes):
+            for s, d, n in zip(slots, dests, nbytes, strict=False):
                 if d is not None:
                     d.view(-1).view(torch.uint8)[:n].copy_(self._payload(s, n),
                                                            non_blocking=True)

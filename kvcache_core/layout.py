@@ -34,6 +34,7 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import heapq
@@ -111,28 +112,39 @@ class Ledger:
 
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the ledger lock (across processes) for a compound update, e.g. link + add
+        or walk + set. Re-entrant within one thread."""
+        with self._lock:
+            if self._depth == 0:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _read(self) -> int:
+        raw = os.pread(self._fd, 8, 0)
+        return int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else 0
 
     def add(self, delta: int) -> int:
         """Atomically add ``delta`` (may be negative) and return the new total."""
-        with self._lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                raw = os.pread(self._fd, 8, 0)
-                cur = int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else 0
-                new = max(0, cur + delta)
+        with self.locked():
+            new = max(0, self._read() + delta)
+            if delta:
                 os.pwrite(self._fd, new.to_bytes(8, "little", signed=True), 0)
-                return new
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            return new
 
     def set(self, value: int) -> None:
-        with self._lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                os.pwrite(self._fd, int(value).to_bytes(8, "little", signed=True), 0)
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self.locked():
+            os.pwrite(self._fd, int(value).to_bytes(8, "little", signed=True), 0)
 
     def get(self) -> int:
         return self.add(0)
@@ -151,18 +163,46 @@ class LayoutStats:
     dropped_over_capacity: int = 0
 
 
-class Layout:
+class LayoutIndex:
+    """Read-only view of a namespace: naming and lookup, no lock, no writes, no I/O at
+    construction. Safe to create anywhere (e.g. vLLM's scheduler process) and to call
+    from any thread."""
+
+    def __init__(self, root: str, ns: Namespace) -> None:
+        self.root = os.path.abspath(root)
+        self.ns = ns
+        self.base = os.path.join(self.root, ns.dirname())
+
+    def name_of(self, key: bytes) -> str:
+        return xxhash.xxh3_128_hexdigest(key)
+
+    def path_for(self, key: bytes) -> str:
+        """Final path of ``key`` (thread-safe, no I/O)."""
+        h = xxhash.xxh3_128_hexdigest(key)
+        return f"{self.base}/{h[:2]}/{h[2:4]}/{h}"
+
+    def exists(self, key: bytes) -> bool:
+        """True if ``key`` is published (one ``access`` syscall, no open). Thread-safe."""
+        h = xxhash.xxh3_128_hexdigest(key)
+        return os.access(f"{self.base}/{h[:2]}/{h[2:4]}/{h}", os.F_OK)
+
+
+_instances = itertools.count()
+
+
+class Layout(LayoutIndex):
     """File naming, header, atomic publish, lookup and the capacity bound of one namespace."""
 
     def __init__(self, root: str, ns: Namespace, *, max_disk_bytes: int = 0,
                  durable: bool = False, collect: bool = True) -> None:
         if ns.block_bytes <= 0:
             raise ValueError("Namespace.block_bytes must be > 0")
-        self.root = os.path.abspath(root)
-        self.ns = ns
+        super().__init__(root, ns)
         self.max_disk_bytes = max_disk_bytes
         self.durable = durable
         self.stats = LayoutStats()
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise LayoutError(errno.ENOTDIR, f"py-kvcache root_dir '{root}' is not a directory")
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:
@@ -172,7 +212,6 @@ class Layout:
             raise LayoutError(errno.ENOTDIR, f"py-kvcache root_dir '{root}' is not a directory")
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise LayoutError(errno.EACCES, f"py-kvcache root_dir '{root}' is not writable")
-        self.base = os.path.join(self.root, ns.dirname())
         self._ns_digest = ns.digest()
         self._file_bytes = ns.file_bytes
         try:
@@ -187,7 +226,9 @@ class Layout:
             raise LayoutError(e.errno, f"py-kvcache root_dir '{root}': cannot initialise "
                               f"namespace directory: {e.strerror}") from e
         self.ledger = Ledger(os.path.join(self.base, ".usage"))
-        self._tag = f"{_host_tag()}.{os.getpid()}"
+        # One writer entry per Layout instance (several may live in one process, e.g. vLLM's
+        # scheduler and worker with multiprocessing off).
+        self._tag = f"{_host_tag()}.{os.getpid()}.{next(_instances)}"
         self._writer_lock_path = os.path.join(self.base, ".writers", self._tag)
         self._writer_fd = os.open(self._writer_lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(self._writer_fd, fcntl.LOCK_EX)
@@ -198,19 +239,6 @@ class Layout:
             self.collect_dead_writers()
 
     # ------------------------------------------------------------------ naming
-    def name_of(self, key: bytes) -> str:
-        return xxhash.xxh3_128_hexdigest(key)
-
-    def path_for(self, key: bytes) -> str:
-        """Final path of ``key`` (thread-safe, no I/O)."""
-        h = xxhash.xxh3_128_hexdigest(key)
-        return f"{self.base}/{h[:2]}/{h[2:4]}/{h}"
-
-    def exists(self, key: bytes) -> bool:
-        """True if ``key`` is published (one ``access`` syscall, no open). Thread-safe."""
-        h = xxhash.xxh3_128_hexdigest(key)
-        return os.access(f"{self.base}/{h[:2]}/{h[2:4]}/{h}", os.F_OK)
-
     def temp_path_for(self, key: bytes) -> tuple[str, str]:
         """(temp path, final path) for a new file of ``key``; creates the directory."""
         final = self.path_for(key)
@@ -296,17 +324,18 @@ class Layout:
         Returns True if this call published the file, False if ``final`` already existed
         (identical content by construction; counted in ``publish_existing``).
         """
-        try:
-            os.link(tmp, final)
-        except FileExistsError:
-            self.stats.publish_existing += 1
-            os.unlink(tmp)
-            return False
+        with self.ledger.locked():  # link + add atomic w.r.t. rescans of other processes
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                self.stats.publish_existing += 1
+                os.unlink(tmp)
+                return False
+            self.ledger.add(nbytes)
         os.unlink(tmp)
         self.stats.published += 1
         if self.max_disk_bytes:
             heapq.heappush(self._lru, (time.time(), final))
-        self.ledger.add(nbytes)
         return True
 
     def discard(self, tmp: str) -> None:
@@ -327,12 +356,13 @@ class Layout:
     def remove(self, key: bytes) -> None:
         """Remove a published file (e.g. found corrupt), keeping the ledger exact."""
         path = self.path_for(key)
-        try:
-            size = os.stat(path).st_size
-            os.unlink(path)
-        except FileNotFoundError:
-            return
-        self.ledger.add(-size)
+        with self.ledger.locked():
+            try:
+                size = os.stat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:
+                return
+            self.ledger.add(-size)
 
     # ------------------------------------------------------------------ eviction
     def _iter_files(self):
@@ -367,6 +397,10 @@ class Layout:
         return len(lru), total
 
     def _evict_to(self, target: int) -> None:
+        with self.ledger.locked():  # walk + set and unlink + subtract stay exact
+            self._evict_locked(target)
+
+    def _evict_locked(self, target: int) -> None:
         rescanned = False
         while self.ledger.get() > target:
             if not self._lru:
@@ -421,6 +455,12 @@ class Layout:
         if not dead:
             return 0
         prefixes = tuple(f"{TMP_PREFIX}{d}." for d in dead)
+        with self.ledger.locked():
+            removed = self._collect_locked(prefixes)
+        self.stats.temp_collected += removed
+        return removed
+
+    def _collect_locked(self, prefixes: tuple[str, ...]) -> int:
         removed = 0
         total = 0
         for e in self._iter_files():
@@ -438,7 +478,6 @@ class Layout:
                 pass
         # A writer killed between link and ledger update leaves the ledger low: resync.
         self.ledger.set(total)
-        self.stats.temp_collected += removed
         return removed
 
     def collect_stale_temps(self, max_age_s: float = 600.0) -> int:
@@ -474,7 +513,9 @@ class Layout:
         tmp, final = self.temp_path_for(key)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(fd, mv[:n])
+            done = os.write(fd, mv[:n])
+            if done != n:  # a full filesystem shows up as a short write
+                raise OSError(errno.ENOSPC, f"short write ({done} of {n} bytes)")
             if self.durable:
                 os.fdatasync(fd)
         except BaseException:

@@ -123,7 +123,7 @@ def apply_series(target: str, version: str | None = None) -> list[PatchState]:
     if bad:
         raise PatchError("patch does not apply cleanly, nothing changed: " + "; ".join(
             f"{s.name}: {s.detail}" for s in bad))
-    for p, s in zip(patches, states):
+    for p, s in zip(patches, states, strict=False):
         if s.state == "not-applied":
             r = _patch(root, p, "-N")
             if r.returncode != 0:  # pragma: no cover - dry run passed

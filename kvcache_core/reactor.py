@@ -43,7 +43,7 @@ from typing import Any
 
 from .copy import Copier, NullCopier
 from .io import IOEngine, make_engine, probe_direct
-from .layout import HEADER_BYTES, CorruptBlock, Layout
+from .layout import HEADER_BYTES, MAX_KEY_BYTES, CorruptBlock, Layout
 from .staging import Priority, SlotAllocator, StagingPool
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,8 @@ class ReactorStats:
 
 class _Task:
     __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
-                 "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags")
+                 "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags",
+                 "payload")
 
     def reset(self) -> None:
         self.ref = None
@@ -118,6 +119,7 @@ class _Task:
         self.cached = False
         self.ext = False
         self.flags = 0
+        self.payload = 0
         self.handle = None
         self.state = Q
 
@@ -177,6 +179,7 @@ class Reactor:
                                       force_async=not self.direct)
         self.copier = (copier or NullCopier)(self.pool, HEADER_BYTES)
         self._iov = [self.engine.make_iov(v) for v in self.pool.views]
+        self._slot_len = [0] * self.pool.n_slots  # payload bytes held by a retained slot
         self.stats = ReactorStats(pool_bytes=self.pool.nbytes, slot_bytes=self.slot_bytes)
         self._on_complete = on_complete
         self._rflags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
@@ -226,9 +229,21 @@ class Reactor:
         self.engine.wake()
 
     def _submit(self, req_id, kind, items, prio) -> None:
+        items = list(items)
+        limit = self.layout.ns.block_bytes
+        n_pool = self.pool.n_slots
+        for item in items:  # reject bad input here, in the caller's thread, with a clear error
+            key, nbytes = item[0], item[2]
+            if not isinstance(key, (bytes, bytearray)) or not 0 < len(key) <= MAX_KEY_BYTES:
+                raise ValueError(f"py-kvcache: key must be 1..{MAX_KEY_BYTES} bytes")
+            if not 0 <= nbytes <= limit or (kind == STORE and nbytes == 0):
+                raise ValueError(f"py-kvcache: nbytes {nbytes} outside 1..{limit} (block size)")
+            if len(item) > 3 and item[3] >= 0 and not self.n_staging <= item[3] < n_pool:
+                raise ValueError(f"py-kvcache: slot {item[3]} is not an external slot "
+                                 f"({self.n_staging}..{n_pool - 1})")
         with self._cv:
             self._outstanding += 1
-        self._inbox.append(("req", req_id, kind, list(items), prio))
+        self._inbox.append(("req", req_id, kind, items, prio))
         self.engine.wake()
 
     def poll(self) -> list[Completion]:
@@ -333,6 +348,8 @@ class Reactor:
             if kind == LOAD and not t.ext:
                 slot = self.alloc.pin(key)
                 if slot >= 0:  # DRAM tier hit: straight to the copy batch
+                    held = self._slot_len[slot]
+                    t.nbytes = min(t.nbytes, held) if t.nbytes else held
                     t.slot, t.cached, t.state = slot, True, READY
                     self.stats.loads_dram += 1
                     self._ready.append(t)
@@ -418,7 +435,13 @@ class Reactor:
                 t.slot = slot
                 t.state = COPY_IN
                 self._io_inflight += 1
-                t.handle = self.copier.from_device(slot, t.ref, t.nbytes)
+                try:
+                    t.handle = self.copier.from_device(slot, t.ref, t.nbytes)
+                except Exception as e:  # bad source: fail this item, keep serving
+                    log.error("py-kvcache: store copy failed for one block: %s", e)
+                    self._store_failed(t, "copy", -_errno.EINVAL)
+                    worked = True
+                    continue
                 t.ref = None
                 self._store_copies.append(t)
             worked = True
@@ -494,6 +517,7 @@ class Reactor:
                 self._finish(t, False)
                 return
             self.stats.bytes_read += res
+            t.payload = n
             t.nbytes = min(t.nbytes, n) if t.nbytes else n
             t.state = READY
             self._ready.append(t)
@@ -505,8 +529,8 @@ class Reactor:
             t.state = WRITING
             self.engine.write((t.tid << OP_BITS) | OP_WRITE, res, self._write_iov(t), 0)
         elif op == OP_WRITE:
-            if res != t.wlen:
-                self._store_failed(t, "write", res if res < 0 else -_errno.EIO)
+            if res != t.wlen:  # a short write is how a full filesystem answers (tmpfs)
+                self._store_failed(t, "write", res if res < 0 else -_errno.ENOSPC)
                 return
             self._io_inflight -= 1
             self.stats.bytes_written += res
@@ -529,8 +553,11 @@ class Reactor:
                 published = self.layout.publish(t.tmp, t.final, t.wlen)
             except OSError as e:
                 self.layout.discard(t.tmp)
-                self._count_error("publish", -(e.errno or _errno.EIO))
-                self.stats.stores_error += 1
+                if e.errno in (_errno.ENOSPC, _errno.EDQUOT):
+                    self.stats.stores_dropped_enospc += 1
+                else:
+                    self._count_error("publish", -(e.errno or _errno.EIO))
+                    self.stats.stores_error += 1
                 self._drop_slot(t)
                 self._finish(t, False)
                 return
@@ -539,6 +566,7 @@ class Reactor:
             else:
                 self.stats.stores_existing += 1
             if not t.ext:
+                self._slot_len[t.slot] = t.nbytes
                 self.alloc.release(t.slot, t.key)
             t.slot = -1
             self._finish(t, True)
@@ -557,13 +585,15 @@ class Reactor:
                 continue
             t.handle = None
             progressed = True
+            view = self.pool.views[t.slot]
+            # The header goes in first, also for caller-owned (DRAM tier) slots that are not
+            # written to disk: a retained slot is always self-describing and checkable.
+            t.wlen = self.layout.fill_header(view, t.key, t.nbytes)
             if t.ext and (t.flags & NO_DISK or self.layout.exists(t.key)):
                 self._io_inflight -= 1
                 self.stats.stores_existing += not (t.flags & NO_DISK)
                 self._finish(t, True)
                 continue
-            view = self.pool.views[t.slot]
-            t.wlen = self.layout.fill_header(view, t.key, t.nbytes)
             if not self.layout.reserve(t.wlen):
                 self._io_inflight -= 1
                 self.stats.stores_dropped_capacity += 1
@@ -604,7 +634,23 @@ class Reactor:
             dests.append(t.ref)
             nbytes.append(t.nbytes)
             t.state = COPY_OUT
-        handle = self.copier.to_device(slots, dests, nbytes)
+        try:
+            handle = self.copier.to_device(slots, dests, nbytes)
+        except Exception as e:  # bad destination: fail the batch's items, keep serving
+            log.error("py-kvcache: device copy of %d blocks failed: %s", len(batch), e)
+            slots.clear()
+            dests.clear()
+            nbytes.clear()
+            self._ready = []
+            for t in batch:
+                if t.cached:
+                    self.alloc.unpin(t.slot)
+                else:
+                    self._drop_slot(t)
+                t.slot = -1
+                self.stats.loads_error += 1
+                self._finish(t, False)
+            return
         self.stats.copy_batches += 1
         slots.clear()
         dests.clear()
@@ -626,6 +672,7 @@ class Reactor:
                     if not t.flags & IN_SLOT:
                         self.layout.touch(t.key)
                 else:
+                    self._slot_len[t.slot] = t.payload
                     self.alloc.release(t.slot, t.key)
                     self.layout.touch(t.key)
                 t.slot = -1
@@ -644,6 +691,8 @@ class Reactor:
         self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
 
     def _finish(self, t: _Task, ok: bool) -> None:
+        if t is self._spec_active:
+            self._spec_active = None
         req = t.req
         req.ok[t.idx] = ok
         req.remaining -= 1

@@ -286,7 +286,7 @@ def main() -> int:
         if not store or not load:
             results.append({"config": cfg, "error": "engine run failed"})
             continue
-        for srow, lrow in zip(store["rows"], load["rows"]):
+        for srow, lrow in zip(store["rows"], load["rows"], strict=False):
             d = srow["tokens"]
             floor = d * kvb / (disk * 1e9) + d * kvb / (pcie * 1e9)
             row = {"config": cfg, "tokens": d, "concurrency": args.concurrency,

@@ -141,6 +141,8 @@ def test_ledger_exact_when_another_process_publishes_during_a_rescan(tmp_path):
     fb = NS.file_bytes
     _publish_in_other_process(root, "old0", "old1", "old2", "old3")
 
+    racer: list[subprocess.Popen] = []
+
     class ScanThenRace(Layout):
         raced = False
 
@@ -148,12 +150,21 @@ def test_ledger_exact_when_another_process_publishes_during_a_rescan(tmp_path):
             found = super().scan()
             if not self.raced:
                 self.raced = True
-                _publish_in_other_process(root, "racer")  # lands between walk and set
+                # A real second process publishes while this one sits between walk and
+                # set; give it time to reach its link + ledger update before returning.
+                env = dict(os.environ, PYTHONPATH=REPO)
+                racer.append(subprocess.Popen(
+                    [sys.executable, "-c", _PUBLISH_ONE % BLOCK, root, "racer"], env=env))
+                try:
+                    racer[0].wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass  # blocked on the ledger lock: the fix under test
             return found
 
     lay = ScanThenRace(root, NS, max_disk_bytes=4 * fb + 100)
     try:
         assert lay.write_block(b"trigger", bytes(BLOCK))
+        assert racer[0].wait(timeout=60) == 0
         assert lay.raced and lay.exists(b"racer")
         base = lay.base
     finally:

@@ -425,7 +425,7 @@ def plot(d: dict[str, Any], path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     depth = d["headline_depth"]
-    for ax, op in zip(axes, ("read", "write")):
+    for ax, op in zip(axes, ("read", "write"), strict=False):
         for mode, style in (("raw", "k--"), ("uring", "b-o"), ("posix", "g-s"),
                             ("reactor", "r-^")):
             pts = sorted((r["size"], r["gbps"]) for r in d["throughput"]

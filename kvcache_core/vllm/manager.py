@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -42,7 +41,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from ..layout import Layout, Namespace
+from ..layout import LayoutIndex, Namespace
 from ..reactor import IN_SLOT
 from ..staging import SlotAllocator
 from .specs import PyKVLoadSpec, PyKVStoreSpec
@@ -91,22 +90,6 @@ WORKER_COUNTERS: dict[str, str] = {
 METRIC_PREFIX = "vllm:pykvcache_"
 
 
-class _DiskIndex:
-    """Read-only view of one rank's namespace directory: ``exists``/``path_for``.
-
-    Reuses :class:`Layout`'s own naming functions (they only read ``self.base``) without
-    constructing a ``Layout``: a Layout takes the per-process writer lock of its
-    namespace, which would deadlock against the worker's Layout when vLLM runs scheduler
-    and worker in one process, and it would collect temp files it does not own.
-    """
-
-    path_for = Layout.path_for
-    exists = Layout.exists
-
-    def __init__(self, root: str, ns: Namespace) -> None:
-        self.base = os.path.join(os.path.abspath(root), ns.dirname())
-
-
 class PyKVCacheManager(OffloadingManager):
     """The DRAM-tier index and disk lookups (scheduler thread only; see module doc)."""
 
@@ -117,7 +100,7 @@ class PyKVCacheManager(OffloadingManager):
 
     def __init__(self, root_dir: str, namespaces: Sequence[Namespace], n_dram: int,
                  eviction_policy: str = "lru", enable_events: bool = False) -> None:
-        self.disk = [_DiskIndex(root_dir, ns) for ns in namespaces]
+        self.disk = [LayoutIndex(root_dir, ns) for ns in namespaces]
         self.n_dram = n_dram
         self._policy = eviction_policy
         self.dram: SlotAllocator | None = (

@@ -251,20 +251,10 @@ class KVCopier(Copier):
 
     def from_device(self, slot: int, src: Any, nbytes: int) -> Any:
         ref: ChunkRef = src
+        # The reactor writes the slot header once the copy is done (also for DRAM-tier
+        # slots whose file already exists), so nothing to do here but the copy.
         ops = self.g.ops(ref, slot * self.slot_bytes + HEADER_BYTES)
-        post = None
-        if slot >= self.n_staging and self.layout.exists(ref.key):
-            view, key = self.pool.views[slot], ref.key
-
-            def post() -> None:
-                self.layout.fill_header(view, key, nbytes)
-        h = self._run(ops, to_device=False, after=ref.after, slot=slot)
-        if h is None:
-            if post is not None:
-                post()
-            return None
-        h.post = post
-        return h
+        return self._run(ops, to_device=False, after=ref.after, slot=slot)
 
     def done(self, handle: Any) -> bool:
         if handle is None:
