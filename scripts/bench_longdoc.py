@@ -149,7 +149,7 @@ def _run_child(args, config: str, phase: str, timeout: float) -> dict | None:
            "--concurrency", str(args.concurrency), "--staging-bytes", str(args.staging_bytes),
            "--io-depth", str(args.io_depth), "--out-part", part, "--seed", str(args.seed)]
     env = dict(os.environ, PYTHONHASHSEED="0",
-               KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats.jsonl"))
+               KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"))
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -280,9 +280,9 @@ def main() -> int:
         else:
             store = load = _run_child(args, cfg, "both", args.timeout)
             dropped = None
-        stats = (read_stats(os.path.join(args.work, f"{cfg}-store.stats.jsonl"))
-                 + read_stats(os.path.join(args.work, f"{cfg}-load.stats.jsonl"))
-                 + read_stats(os.path.join(args.work, f"{cfg}-both.stats.jsonl")))
+        stats = (read_stats(os.path.join(args.work, f"{cfg}-store.stats.workers.jsonl"))
+                 + read_stats(os.path.join(args.work, f"{cfg}-load.stats.workers.jsonl"))
+                 + read_stats(os.path.join(args.work, f"{cfg}-both.stats.workers.jsonl")))
         if not store or not load:
             results.append({"config": cfg, "error": "engine run failed"})
             continue

@@ -400,7 +400,8 @@ def to_markdown(d: dict[str, Any]) -> str:
                      f"{w / d['raw_write_gbps']:.2f} |")
     lines += ["", f"Staging: pool {d['pool_bytes']} B, peak in use {d['peak_staging_bytes']} B "
               f"(bounded: {d['staging_bounded']}).", "", "## All points (GB/s)", "",
-              "| size | depth | op | raw | uring | posix | reactor |", "|---|---|---|---|---|---|---|"]
+              "| size | depth | op | raw | uring | posix | reactor |",
+              "|---|---|---|---|---|---|---|"]
     pts: dict[tuple, dict[str, float]] = {}
     for r in d["throughput"]:
         pts.setdefault((r["size"], r["depth"], r["op"]), {})[r["mode"]] = r["gbps"]

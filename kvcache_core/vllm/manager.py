@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
+import os
+import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -113,6 +116,7 @@ class PyKVCacheManager(OffloadingManager):
         self._loading_refs: collections.Counter[OffloadKey] = collections.Counter()
         self._failed: set[OffloadKey] = set()
         self.counters: collections.Counter[str] = collections.Counter()
+        self._exported_at = 0.0
         self._reported: dict[str, int] = {}
         self._events_on = enable_events
         self._events: list[OffloadingEvent] = []
@@ -308,6 +312,23 @@ class PyKVCacheManager(OffloadingManager):
                 self._drop(key)
         for name, v in counters.items():
             self.counters[name] += v
+        self._maybe_export()
+
+    def _maybe_export(self, force: bool = False) -> None:
+        """Write the counters to ``$KVCACHE_STATS_FILE`` (JSON, atomically replaced) at most
+        twice a second; used by ``make run`` and the benchmarks."""
+        path = os.environ.get("KVCACHE_STATS_FILE")
+        now = time.monotonic()
+        if not path or (not force and now - self._exported_at < 0.5):
+            return
+        self._exported_at = now
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.stats(), f)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.debug("py-kvcache: cannot write stats file %s: %s", path, e)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:
@@ -338,6 +359,7 @@ class PyKVCacheManager(OffloadingManager):
         return st
 
     def shutdown(self) -> None:
+        self._maybe_export(force=True)
         s = self.stats()
         log.info("py-kvcache: scheduler stats: %s",
                  " ".join(f"{k}={v}" for k, v in s.items() if v))

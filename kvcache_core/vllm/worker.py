@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -225,6 +227,23 @@ class PyKVCacheWorker(OffloadingWorker):
         """Cumulative counters of this worker plus the reactor's snapshot."""
         return {**self._snapshot(), "reactor": self.reactor.snapshot()}
 
+    def _export(self, snap: dict[str, int]) -> None:
+        """Append this worker's final counters and staging high-water mark as one JSON line
+        to ``$KVCACHE_STATS_FILE.workers.jsonl`` (benchmarks read it)."""
+        path = os.environ.get("KVCACHE_STATS_FILE")
+        if not path:
+            return
+        r = self.reactor
+        line = {**snap, "rank": self.rank, "peak_staging_bytes": r.alloc.peak_busy * r.slot_bytes,
+                "staging_budget_bytes": r.n_staging * r.slot_bytes,
+                "pool_bytes": r.pool.nbytes if r.pool.views else 0, "engine": r.engine.name,
+                "direct_io": r.direct}
+        try:
+            with open(f"{path}.workers.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:
+            log.warning("py-kvcache: cannot write %s.workers.jsonl: %s", path, e)
+
     def shutdown(self) -> None:
         """Finish in-flight I/O (stores already submitted are completed), stop the
         reactor, release the namespace's writer lock."""
@@ -238,5 +257,6 @@ class PyKVCacheWorker(OffloadingWorker):
         finally:
             self.layout.close()
         snap = self._snapshot()
+        self._export(snap)
         log.info("py-kvcache worker rank %d stats: %s", self.rank,
                  " ".join(f"{k}={v}" for k, v in sorted(snap.items()) if v))
