@@ -52,9 +52,11 @@ LOAD, STORE = 0, 1
 # item flags
 IN_SLOT = 1   # load: the bytes are already in the (external) slot, skip the disk
 NO_DISK = 2   # store: fill the (external) slot only, do not write a file
+SUPERSEDED = 1 << 8  # (internal) preload replaced by a foreground load of its key
+PREEMPTED = 1 << 9   # (internal) preload to close and re-queue when its open completes
 # task states
 (Q, OPENING, OPENED, READING, READY, COPY_OUT, COPY_IN, W_OPENING, WRITING, SYNCING,
- CLOSING, DONE) = range(12)
+ CLOSING, DONE, JOINED) = range(13)
 # op codes in the low bits of an I/O tag
 OP_OPEN, OP_READ, OP_WOPEN, OP_WRITE, OP_FSYNC, OP_CLOSE, OP_WCLOSE = range(7)
 OP_BITS = 3
@@ -87,6 +89,10 @@ class ReactorStats:
     stores_dropped_capacity: int = 0
     stores_error: int = 0
     spec_requeued: int = 0
+    preload_staged: int = 0
+    preload_claimed: int = 0
+    preload_joined: int = 0
+    preload_deduped: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     copy_batches: int = 0
@@ -200,6 +206,11 @@ class Reactor:
         self._opening = 0
         self._io_inflight = 0
         self._spec_active: _Task | None = None
+        self._spec_by_key: dict[bytes, _Task] = {}  # preloads not yet staged
+        self._joiners: dict[bytes, list[_Task]] = {}  # loads waiting on a preload's read
+        # key a preload staged in a slot, until a load claims it (stale once reclaimed:
+        # compared with the claiming key, so a reused slot never counts)
+        self._staged: list[bytes | None] = [None] * self.pool.n_slots
         self._reqs: dict[Hashable, _Request] = {}
         self._cqes: list[tuple[int, int]] = []
         self._b_slots: list[int] = []
@@ -344,21 +355,76 @@ class Reactor:
                     self.stats.loads_dram += 1
                     self._ready.append(t)
                     continue
-            key = t.key
-            if kind == LOAD and not t.ext:
-                slot = self.alloc.pin(key)
-                if slot >= 0:  # DRAM tier hit: straight to the copy batch
-                    held = self._slot_len[slot]
-                    t.nbytes = min(t.nbytes, held) if t.nbytes else held
-                    t.slot, t.cached, t.state = slot, True, READY
-                    self.stats.loads_dram += 1
-                    self._ready.append(t)
-                    continue
-                if prio == Priority.SPECULATIVE:
-                    self._new_spec.append(t)
-                    continue
-                self._preempt_spec()
-            self._new_fg.append(t)
+            if kind == LOAD:
+                self._route_load(t)
+            else:
+                self._new_fg.append(t)
+
+    def _route_load(self, t: _Task) -> None:
+        """Where a new load goes: retained/staged slot, join an in-flight preload, queue."""
+        key = t.key
+        spec = t.prio == Priority.SPECULATIVE
+        slot = self.alloc.pin(key)
+        if slot >= 0:  # DRAM tier hit or a staged preload
+            if spec:  # nothing to preload: already here
+                self.alloc.unpin(slot)
+                self.stats.preload_deduped += 1
+                self._finish(t, True)
+                return
+            self._claim(t, slot)
+            return
+        sp = self._spec_by_key.get(key)
+        if sp is not None:
+            if spec:  # same prefix asked again: share the one read
+                self.stats.preload_deduped += 1
+                self._finish(t, True)
+                return
+            if sp.state == READING:  # join the read in flight instead of reading again
+                t.state = JOINED
+                self._joiners.setdefault(key, []).append(t)
+                self.stats.preload_joined += 1
+                return
+            self._supersede(sp)  # not reading yet: the foreground load does the read
+        if spec:
+            self._spec_by_key[key] = t
+            self._new_spec.append(t)
+            return
+        self._preempt_spec()
+        self._new_fg.append(t)
+
+    def _claim(self, t: _Task, slot: int) -> None:
+        """Serve load ``t`` from the pinned retained/staged ``slot`` (no disk read)."""
+        held = self._slot_len[slot]
+        t.nbytes = min(t.nbytes, held) if t.nbytes else held
+        if self._staged[slot] == t.key:  # first use of a preloaded block
+            self._staged[slot] = None
+            self.stats.preload_claimed += 1
+        else:
+            self.stats.loads_dram += 1
+        if t.ext:  # the caller wants the block in its own slot (its DRAM tier): copy it over
+            n = HEADER_BYTES + held
+            self.pool.views[t.slot][:n] = self.pool.views[slot][:n]
+            self.alloc.unpin(slot)
+        else:
+            t.slot, t.cached = slot, True
+        t.state = READY
+        self._ready.append(t)
+
+    def _supersede(self, sp: _Task) -> None:
+        """A foreground load for the key of a preload that has not started reading: the
+        preload is dropped (counted as deduplicated) and its fd closed."""
+        self.stats.preload_deduped += 1
+        if sp.state == Q:
+            self._new_spec.remove(sp)
+            self._finish(sp, True)
+        elif sp.state == OPENED:
+            self._opened_spec.remove(sp)
+            self.engine.close((sp.tid << OP_BITS) | OP_CLOSE, sp.fd)
+            sp.fd = -1
+            self._finish(sp, True)
+        else:  # OPENING: finished when its open completes
+            sp.flags |= SUPERSEDED
+            del self._spec_by_key[sp.key]
 
     def _new_task(self) -> _Task:
         t = self._free_tasks.pop() if self._free_tasks else _Task()
@@ -369,8 +435,12 @@ class Reactor:
         return t
 
     def _preempt_spec(self) -> None:
-        """A foreground load arrived: stop the speculative file that is open, not reading."""
+        """A foreground load arrived: stop the speculative file that is open (or being
+        opened), not reading: close its fd and re-queue the preload."""
         t = self._spec_active
+        if t is not None and t.state == OPENING:
+            t.flags |= PREEMPTED  # closed and re-queued when the open completes
+            return
         if t is not None and t.state == OPENED:
             self._opened_spec.remove(t)
             self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
@@ -491,6 +561,18 @@ class Reactor:
                     self._spec_active = None
                 self._finish(t, False)
                 return
+            if t.flags & (SUPERSEDED | PREEMPTED):
+                self.engine.close((t.tid << OP_BITS) | OP_CLOSE, res)
+                if t is self._spec_active:
+                    self._spec_active = None
+                if t.flags & SUPERSEDED:
+                    self._finish(t, True)
+                else:
+                    t.flags &= ~PREEMPTED
+                    t.state = Q
+                    self._new_spec.appendleft(t)
+                    self.stats.spec_requeued += 1
+                return
             t.fd = res
             t.state = OPENED
             (self._opened_spec if t.prio == Priority.SPECULATIVE else self._opened_fg).append(t)
@@ -519,6 +601,9 @@ class Reactor:
             self.stats.bytes_read += res
             t.payload = n
             t.nbytes = min(t.nbytes, n) if t.nbytes else n
+            if t.prio == Priority.SPECULATIVE and t.ref is None and not t.ext:
+                self._stage(t)
+                return
             t.state = READY
             self._ready.append(t)
         elif op == OP_WOPEN:
@@ -570,6 +655,20 @@ class Reactor:
                 self.alloc.release(t.slot, t.key)
             t.slot = -1
             self._finish(t, True)
+
+    def _stage(self, t: _Task) -> None:
+        """A preload's read finished: keep the slot (reclaimable by foreground work) and
+        hand it to the loads that joined the read."""
+        key, slot = t.key, t.slot
+        self._slot_len[slot] = t.payload
+        self.alloc.release(slot, key, force=True)
+        t.slot = -1
+        self._staged[slot] = key
+        self.stats.preload_staged += 1
+        self._finish(t, True)
+        for j in self._joiners.pop(key, ()):
+            s = self.alloc.pin(key)
+            self._claim(j, s)
 
     def _write_iov(self, t: _Task):
         if t.wlen == self.slot_bytes:
@@ -693,6 +792,11 @@ class Reactor:
     def _finish(self, t: _Task, ok: bool) -> None:
         if t is self._spec_active:
             self._spec_active = None
+        if t.prio == Priority.SPECULATIVE and self._spec_by_key.get(t.key) is t:
+            del self._spec_by_key[t.key]
+            if not ok:  # the shared read failed: so do the loads that joined it
+                for j in self._joiners.pop(t.key, ()):
+                    self._finish(j, False)
         req = t.req
         req.ok[t.idx] = ok
         req.remaining -= 1

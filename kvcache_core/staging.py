@@ -223,8 +223,10 @@ class SlotAllocator:
             self.peak_busy = self.busy
         return slot
 
-    def release(self, slot: int, retain_key: Hashable | None = None) -> None:
-        """Return a BUSY slot. With ``retain_key`` (and retention on) keep it as CACHED.
+    def release(self, slot: int, retain_key: Hashable | None = None,
+                force: bool = False) -> None:
+        """Return a BUSY slot. With ``retain_key`` (and retention on, or ``force`` for a
+        staged preload) keep it as CACHED; it stays reclaimable by FOREGROUND acquires.
 
         If ``retain_key`` is already cached in another slot, this slot is simply freed.
         """
@@ -232,7 +234,7 @@ class SlotAllocator:
             raise RuntimeError(f"release of slot {slot} in state {self.state[slot].name}")
         self.busy -= 1
         self.owner[slot] = -1
-        if retain_key is not None and self.retain and retain_key not in self.index:
+        if retain_key is not None and (self.retain or force) and retain_key not in self.index:
             self.state[slot] = SlotState.CACHED
             self.slot_key[slot] = retain_key
             self.index[retain_key] = slot
