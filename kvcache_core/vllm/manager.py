@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -42,6 +42,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    make_offload_key,
 )
 
 from ..layout import LayoutIndex, Namespace
@@ -71,6 +72,7 @@ MANAGER_COUNTERS: dict[str, str] = {
     "dram_evictions": "DRAM-tier slots reclaimed from another key.",
     "load_failures": "Chunk loads that failed (missing/corrupt file or invalid DRAM "
     "slot); vLLM recomputed them.",
+    "preloads_planned": "Disk blocks of waiting requests sent to the workers for preload.",
 }
 #: Counters reported by the workers (summed over ranks).
 WORKER_COUNTERS: dict[str, str] = {
@@ -89,6 +91,11 @@ WORKER_COUNTERS: dict[str, str] = {
     "bytes_read": "Worker: bytes read from disk.",
     "bytes_written": "Worker: bytes written to disk.",
     "disk_evicted_files": "Worker: files evicted to honour max_disk_bytes.",
+    "preloads_staged": "Worker: preloaded blocks read into staging ahead of their request.",
+    "preloads_claimed": "Worker: on-demand loads served by a staged preload (no disk read).",
+    "preloads_joined": "Worker: on-demand loads that joined a preload's read in flight.",
+    "preloads_deduped": "Worker: preloads skipped (block already staged, cached or read).",
+    "preloads_requeued": "Worker: preloads closed and re-queued for foreground work.",
 }
 METRIC_PREFIX = "vllm:pykvcache_"
 
@@ -120,6 +127,9 @@ class PyKVCacheManager(OffloadingManager):
         self._reported: dict[str, int] = {}
         self._events_on = enable_events
         self._events: list[OffloadingEvent] = []
+        # keys recently planned for preload (bounded LRU): never planned twice in a row
+        self._planned: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
+        self._planned_cap = 8192
 
     # ------------------------------------------------------------------ helpers
     def _on_disk(self, key: OffloadKey) -> bool:
@@ -151,6 +161,47 @@ class PyKVCacheManager(OffloadingManager):
         slot = self.dram.lookup(key)
         if slot >= 0 and self.dram.drop(key):
             self._slot_key[slot] = None
+
+    # ------------------------------------------------------------------ preload (R8)
+    def plan_preloads(self, requests: Sequence[Any], group_configs: Sequence[Any],
+                      max_blocks: int) -> list[OffloadKey]:
+        """Disk blocks of the waiting ``requests`` (scheduling order) worth reading ahead.
+
+        Per request and KV group, walks the chunk keys in prefix order: DRAM-resident
+        chunks are skipped (already fast), the walk stops at the first chunk that is not
+        on disk (vLLM's lookup stops there too, so later chunks would never be used), and
+        keys planned recently are not planned again. At most ``max_blocks`` keys per call;
+        the worker's reactor still runs ONE speculative read at a time, below foreground
+        work. Scheduler thread only.
+        """
+        out: list[OffloadKey] = []
+        planned = self._planned
+        for req in requests:
+            hashes = req.block_hashes
+            for g in group_configs:
+                hpc = g.hashes_per_chunk
+                for h in itertools.islice(hashes, hpc - 1, None, hpc):
+                    key = make_offload_key(h, g.group_idx)
+                    if key in planned:
+                        planned.move_to_end(key)
+                        continue
+                    if self.dram is not None and self.dram.lookup(key) >= 0:
+                        continue
+                    if key in self._storing or not self._on_disk(key):
+                        break
+                    planned[key] = None
+                    out.append(key)
+                    if len(out) >= max_blocks:
+                        break
+                if len(out) >= max_blocks:
+                    break
+            if len(out) >= max_blocks:
+                break
+        while len(planned) > self._planned_cap:
+            planned.popitem(last=False)
+        if out:
+            self.counters["preloads_planned"] += len(out)
+        return out
 
     # ------------------------------------------------------------------ OffloadingManager
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

@@ -38,12 +38,12 @@ MODEL_DTYPE_KEY = "_pykvcache_model_dtype"
 VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk",
                               "offload_prompt_only", "self_describing_kv_events")
 #: Keys of the vLLM glue itself (not storage-engine keys).
-GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy")
+GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookahead",
+                               "preload_max_blocks")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY,)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
 RESERVED_KEYS: dict[str, str] = {
-    "preload_lookahead": "scheduler-driven preload needs the patched vLLM (not in this version)",
     "breakeven_table": "the break-even gate is not in this version",
 }
 
@@ -59,6 +59,11 @@ GLUE_KEY_HELP: dict[str, str] = {
     "(set it when instances load the same weights from different paths).",
     "load_failure_policy": "'recompute' (default): a missing/corrupt block is recomputed; "
     "'fail': the request fails (vLLM's kv_load_failure_policy is set accordingly).",
+    "preload_lookahead": "Waiting requests (first k in scheduling order) whose disk blocks are "
+    "preloaded into staging while they queue; needs the patched vLLM (`kvcache patch-vllm`); "
+    "0 disables (default 4).",
+    "preload_max_blocks": "New blocks planned for preload per scheduler step (default 64); "
+    "the reactor still runs ONE speculative read at a time.",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -76,6 +81,8 @@ class VllmOptions:
     model_id: str | None
     load_failure_policy: str
     model_dtype: str | None
+    preload_lookahead: int = 4
+    preload_max_blocks: int = 64
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -125,9 +132,16 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     policy = ex.get("load_failure_policy", "recompute")
     _need(policy in ("recompute", "fail"), "load_failure_policy",
           "must be 'recompute' or 'fail'", policy)
+    pk = ex.get("preload_lookahead", 4)
+    _need(isinstance(pk, int) and not isinstance(pk, bool) and 0 <= pk <= 1024,
+          "preload_lookahead", "must be an integer in 0..1024", pk)
+    pm = ex.get("preload_max_blocks", 64)
+    _need(isinstance(pm, int) and not isinstance(pm, bool) and pm > 0,
+          "preload_max_blocks", "must be a positive integer", pm)
     return VllmOptions(storage=storage, explicit_block_size="block_size" in d,
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
-                       load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY))
+                       load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
+                       preload_lookahead=pk, preload_max_blocks=pm)
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:

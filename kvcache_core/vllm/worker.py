@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.base import (
 from ..config import StorageConfig
 from ..layout import Layout, Namespace
 from ..reactor import IN_SLOT, Completion, Reactor
+from ..staging import Priority
 from .options import PoolGeometry
 from .specs import PyKVLoadSpec, PyKVStoreSpec
 from .transfer import ChunkRef, KVCopier, KVGeometry
@@ -101,6 +102,7 @@ class PyKVCacheWorker(OffloadingWorker):
         self.counters: collections.Counter[str] = collections.Counter()
         self._reported: dict[str, int] = {}
         self._closed = False
+        self._preload_seq = 0
         log.info("py-kvcache worker rank %d: %s, engine %s, O_DIRECT %s, %d staging + %d DRAM "
                  "slots of %d B, KV %s", rank, self.layout.base, self.reactor.engine.name,
                  self.reactor.direct, pool.n_staging, pool.n_dram, pool.slot_bytes,
@@ -149,6 +151,20 @@ class PyKVCacheWorker(OffloadingWorker):
         self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots), self._gpu_bytes(refs))
         self.reactor.load(job_id, items)
         return True
+
+    def submit_preloads(self, keys: list[bytes]) -> None:
+        """Start speculative disk -> staging reads of ``keys`` (model-runner thread).
+
+        Preloads are not vLLM jobs: their completions never reach :meth:`get_finished`
+        (vLLM raises on unknown job ids). The reactor runs ONE at a time, below foreground
+        work, in staging slots above the foreground reservation; an on-demand load of the
+        same key later claims the staged slot or joins the read in flight.
+        """
+        if not keys:
+            return
+        self._preload_seq += 1
+        self.reactor.load(("preload", self._preload_seq), [(k, None, 0) for k in keys],
+                          Priority.SPECULATIVE)
 
     # ------------------------------------------------------------------ completions
     def _drain(self) -> None:
@@ -208,7 +224,10 @@ class PyKVCacheWorker(OffloadingWorker):
                     stores_dropped_enospc=s.stores_dropped_enospc,
                     stores_dropped_capacity=s.stores_dropped_capacity,
                     store_errors=s.stores_error, bytes_read=s.bytes_read,
-                    bytes_written=s.bytes_written, disk_evicted_files=ls.evicted_files)
+                    bytes_written=s.bytes_written, disk_evicted_files=ls.evicted_files,
+                    preloads_staged=s.preload_staged, preloads_claimed=s.preload_claimed,
+                    preloads_joined=s.preload_joined, preloads_deduped=s.preload_deduped,
+                    preloads_requeued=s.spec_requeued)
         return snap
 
     def take_report(self) -> tuple[set[bytes], dict[str, int]]:

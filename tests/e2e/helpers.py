@@ -130,8 +130,9 @@ def make_llm(model_dir: str, extra: dict[str, Any] | None, tp: int = 1, **kw: An
                                kv_connector_module_path="kvcache_core.vllm",
                                kv_role="kv_both", kv_connector_extra_config=extra)
     kw.setdefault("enable_prefix_caching", False)
+    kw.setdefault("max_model_len", 2048)
     return LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True,
-               dtype="bfloat16", max_model_len=2048, seed=0,
+               dtype="bfloat16", seed=0,
                tensor_parallel_size=tp, kv_transfer_config=ktc, **kw)
 
 

@@ -234,7 +234,8 @@ def test_config_errors_name_the_key(model_dir, workdir):
         H.extra_config(root, eviction_policy="fifo"),
         H.extra_config(root, block_size=200),
         H.extra_config(root, staging_bytes=H.FILE_BYTES),
-        H.extra_config(root, preload_lookahead=2),
+        H.extra_config(root, preload_lookahead=-1),
+        H.extra_config(root, breakeven_table="/nonexistent.json"),
     ]})
     errs = r["errors"]
     assert all(e is not None for e in errs), errs
@@ -243,6 +244,7 @@ def test_config_errors_name_the_key(model_dir, workdir):
     assert "ConfigError" in errs[2] and "'block_size'" in errs[2]
     assert "ConfigError" in errs[3] and "'staging_bytes'" in errs[3]
     assert "ConfigError" in errs[4] and "'preload_lookahead'" in errs[4]
+    assert "ConfigError" in errs[5] and "'breakeven_table'" in errs[5]
 
 
 def test_tensor_parallel_2(model_dir, workdir):
