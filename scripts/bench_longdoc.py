@@ -53,9 +53,13 @@ def kv_bytes_per_token(model_dir: str) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2  # bf16
 
 
+VOCAB = 128000
+
+
 def docs_for(tokens: int, n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed * 1_000_003 + tokens)
-    return [[rng.randrange(1000, 120000) for _ in range(tokens)] for _ in range(n)]
+    hi = max(200, VOCAB - 100)
+    return [[rng.randrange(100, hi) for _ in range(tokens)] for _ in range(n)]
 
 
 def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
@@ -96,6 +100,10 @@ async def _ttft(engine, ids: list[int], rid: str) -> float:
 async def _worker(args) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    global VOCAB
+    with open(os.path.join(args.model, "config.json")) as f:
+        VOCAB = json.load(f).get("vocab_size", VOCAB)
 
     tokens = [int(t) for t in args.tokens.split(",")]
     kvb = kv_bytes_per_token(args.model)
@@ -250,6 +258,9 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=2.0, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--machine", default=None, help="machine name for the JSON")
+    ap.add_argument("--append", action="store_true",
+                    help="merge into an existing --json: replace the rows of the configs run "
+                    "now, keep the others (several calls on one machine, one result file)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--phase", help=argparse.SUPPRESS)
@@ -303,10 +314,23 @@ def main() -> int:
                     r["peak_staging_bytes"] = peak
                     r["staging_budget_bytes"] = budget
         shutil.rmtree(os.path.join(args.root, cfg), ignore_errors=True)
+    for r in results:
+        r["disk_read_gbps"], r["pcie_h2d_gbps"] = disk, pcie
     out = {"machine": args.machine or _gpu_name(), "gpu": _gpu_name(), "model": model_name,
            "kv_bytes_per_token": kvb, "disk_read_gbps": disk, "pcie_h2d_gbps": pcie,
            "docs": args.docs, "repeats": args.repeats, "results": results}
+    if args.append and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            old = json.load(f)
+        ran = {r["config"] for r in results}
+        kept = [r for r in old.get("results", []) if r["config"] not in ran]
+        out["results"] = kept + results
+        # bandwidths of the whole file: medians over the calls that produced it
+        bw = [(r.get("disk_read_gbps"), r.get("pcie_h2d_gbps")) for r in out["results"]]
+        out["disk_read_gbps"] = statistics.median(b[0] for b in bw if b[0])
+        out["pcie_h2d_gbps"] = statistics.median(b[1] for b in bw if b[1])
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         write_table(out, os.path.splitext(args.json)[0] + ".md")

@@ -98,6 +98,9 @@ WORKER_COUNTERS: dict[str, str] = {
     "preloads_requeued": "Worker: preloads closed and re-queued for foreground work.",
 }
 METRIC_PREFIX = "vllm:pykvcache_"
+#: seconds a block that failed to load stays a miss (then it may be tried again)
+BAD_KEY_TTL_S = 60.0
+BAD_KEYS_MAX = 65536
 
 
 class PyKVCacheManager(OffloadingManager):
@@ -127,6 +130,8 @@ class PyKVCacheManager(OffloadingManager):
         self._reported: dict[str, int] = {}
         self._events_on = enable_events
         self._events: list[OffloadingEvent] = []
+        # keys whose load failed -> until when they are treated as a miss (bounded)
+        self._bad: collections.OrderedDict[OffloadKey, float] = collections.OrderedDict()
         # keys recently planned for preload (bounded LRU): never planned twice in a row
         self._planned: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
         self._planned_cap = 8192
@@ -163,6 +168,15 @@ class PyKVCacheManager(OffloadingManager):
             self._slot_key[slot] = None
 
     # ------------------------------------------------------------------ preload (R8)
+    def _is_bad(self, key: OffloadKey) -> bool:
+        until = self._bad.get(key)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._bad[key]
+        return False
+
     def plan_preloads(self, requests: Sequence[Any], group_configs: Sequence[Any],
                       max_blocks: int) -> list[OffloadKey]:
         """Disk blocks of the waiting ``requests`` (scheduling order) worth reading ahead.
@@ -187,7 +201,7 @@ class PyKVCacheManager(OffloadingManager):
                         continue
                     if self.dram is not None and self.dram.lookup(key) >= 0:
                         continue
-                    if key in self._storing or not self._on_disk(key):
+                    if key in self._storing or key in self._bad or not self._on_disk(key):
                         break
                     planned[key] = None
                     out.append(key)
@@ -209,7 +223,7 @@ class PyKVCacheManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters["lookups"] += 1
-        if key in self._storing:
+        if key in self._storing or (self._bad and self._is_bad(key)):
             self.counters["misses"] += 1
             return LookupResult.MISS
         if self.dram is not None and self.dram.lookup(key) >= 0:
@@ -323,6 +337,8 @@ class PyKVCacheManager(OffloadingManager):
             if slot is None:
                 continue
             stored.append(key)
+            if success and self._bad:
+                self._bad.pop(key, None)  # freshly written: no longer a known-bad block
             if slot >= 0:
                 assert self.dram is not None
                 if success:
@@ -355,12 +371,19 @@ class PyKVCacheManager(OffloadingManager):
         failed_keys = [OffloadKey(k) for k in failed_keys]
         if self._events_on and failed_keys:
             self._events.append(OffloadingEvent(failed_keys, self.medium, True))
+        now = time.monotonic()
         for key in failed_keys:
             self.counters["load_failures"] += 1
+            # A block that failed to load is a MISS for a while, even if its file is
+            # still there (e.g. a device-copy failure): never a load/fail/recompute loop.
+            self._bad[key] = now + BAD_KEY_TTL_S
+            self._bad.move_to_end(key)
             if self._loading_refs.get(key):
                 self._failed.add(key)
             else:
                 self._drop(key)
+        while len(self._bad) > BAD_KEYS_MAX:
+            self._bad.popitem(last=False)
         for name, v in counters.items():
             self.counters[name] += v
         self._maybe_export()

@@ -24,6 +24,7 @@ Threads: :class:`KVGeometry` is built by the worker thread and read-only afterwa
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -318,6 +319,7 @@ class _CudaExec:
         # its own producer event); a small fixed set, not one per slot: the DRAM tier can
         # have hundreds of slots.
         self.store_streams = [torch.cuda.Stream(self.dev) for _ in range(N_STORE_STREAMS)]
+        self._tls = threading.local()
         self.swap: Callable[..., None] | None = None
         try:
             from vllm import _custom_ops as vops
@@ -333,6 +335,13 @@ class _CudaExec:
     def run(self, ops: tuple[np.ndarray, ...], *, to_device: bool, after: Any,
             slot: int) -> _CudaHandle:  # pragma: no cover - needs CUDA
         tix, kvo, plo, szs = ops
+        if not getattr(self._tls, "bound", False):
+            # The reactor thread's first CUDA call may be vLLM's driver-API batch copy
+            # (cuMemcpyBatchAsync), which needs the device's primary context current on
+            # THIS thread: bind it once with runtime calls (set_device + a stream query).
+            torch.cuda.set_device(self.dev)
+            torch.cuda.current_stream(self.dev).query()
+            self._tls.bound = True
         stream = (self.load_stream if to_device
                   else self.store_streams[slot % len(self.store_streams)])
         keep: Any = None
