@@ -60,6 +60,8 @@ PREEMPTED = 1 << 9   # (internal) preload to close and re-queue when its open co
 # op codes in the low bits of an I/O tag
 OP_OPEN, OP_READ, OP_WOPEN, OP_WRITE, OP_FSYNC, OP_CLOSE, OP_WCLOSE = range(7)
 OP_BITS = 3
+#: how long the reactor naps between polls of in-flight device copies
+COPY_POLL_S = 0.0002
 
 
 @dataclass
@@ -300,10 +302,13 @@ class Reactor:
             while self._running or self._inbox:
                 worked = self._step()
                 if not worked:
-                    timeout = 0.0002 if self._copies or self._store_copies else None
-                    if not self._running:
-                        timeout = 0.01
-                    self.engine.wait(timeout)
+                    if self._copies or self._store_copies:
+                        # Device copies in flight (CUDA events): nothing wakes us when they
+                        # finish, so nap briefly with the GIL released. A zero-timeout poll
+                        # here would spin and starve vLLM's own threads of the GIL.
+                        time.sleep(COPY_POLL_S)
+                        continue
+                    self.engine.wait(None if self._running else 0.01)
         except BaseException:  # pragma: no cover - a bug; make it visible and fail requests
             log.exception("py-kvcache reactor crashed")
             self._fail_everything()
