@@ -35,6 +35,7 @@ import collections
 import errno as _errno
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -60,8 +61,8 @@ PREEMPTED = 1 << 9   # (internal) preload to close and re-queue when its open co
 # op codes in the low bits of an I/O tag
 OP_OPEN, OP_READ, OP_WOPEN, OP_WRITE, OP_FSYNC, OP_CLOSE, OP_WCLOSE = range(7)
 OP_BITS = 3
-#: how long the reactor naps between polls of in-flight device copies
-COPY_POLL_S = 0.0002
+#: interpreter switch interval the reactor sets when the current one is larger (None: keep)
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -148,6 +149,9 @@ class Reactor:
     """Single-thread pipeline between a :class:`Layout`, a staging pool and a copier.
 
     ``retain`` turns finished slots into a DRAM cache tier (``policy`` lru|arc).
+    ``switch_interval``: the reactor lowers ``sys.setswitchinterval`` to this (process
+    wide) when it is larger, because GIL handoffs with a busy host process (vLLM's engine
+    loop) otherwise throttle it; ``None`` leaves the interpreter alone.
     Items are ``(key, ref, nbytes)`` or ``(key, ref, nbytes, slot, flags)``: ``slot`` >= 0
     names an external slot (index ``n_slots + i``) owned by the caller for the whole
     request; a load with ``IN_SLOT`` takes the bytes already in that slot (no disk), a
@@ -162,9 +166,18 @@ class Reactor:
                  direct_io: str = "auto", copier: Callable[[StagingPool, int], Copier]
                  | None = None, pin: bool | str = "auto", verify: bool = True,
                  on_complete: Callable[[Completion], None] | None = None,
-                 name: str = "kvcache-reactor") -> None:
+                 name: str = "kvcache-reactor",
+                 switch_interval: float | None = SWITCH_INTERVAL_S) -> None:
         self.layout = layout
         self.slot_bytes = layout.ns.file_bytes
+        if switch_interval is not None and sys.getswitchinterval() > switch_interval:
+            # The reactor is a Python thread: inside vLLM it shares the GIL with the engine's
+            # busy loop, and every I/O completion needs the GIL back. With CPython's default
+            # 5 ms switch interval that handoff dominates (scripts/bench_gil.py: 0.8 vs
+            # 3.3 GB/s with a busy thread beside the reactor); 0.5 ms keeps it small.
+            log.info("py-kvcache: lowering the interpreter switch interval %.4f -> %.4f s",
+                     sys.getswitchinterval(), switch_interval)
+            sys.setswitchinterval(switch_interval)
         self.io_depth = io_depth
         self.lookahead = max(1, lookahead)
         self.verify = verify
@@ -302,13 +315,12 @@ class Reactor:
             while self._running or self._inbox:
                 worked = self._step()
                 if not worked:
-                    if self._copies or self._store_copies:
-                        # Device copies in flight (CUDA events): nothing wakes us when they
-                        # finish, so nap briefly with the GIL released. A zero-timeout poll
-                        # here would spin and starve vLLM's own threads of the GIL.
-                        time.sleep(COPY_POLL_S)
-                        continue
-                    self.engine.wait(None if self._running else 0.01)
+                    # Device copies in flight (CUDA events) wake nobody: poll them with a
+                    # zero timeout. Measured on the H200 (docs/results/h200/longdoc-*):
+                    # napping here instead (time.sleep(200 us)) made 64k disk hits 1.36x
+                    # slower, the GIL handoffs with vLLM's busy engine loop dominate.
+                    timeout = 0.0 if self._copies or self._store_copies else None
+                    self.engine.wait(timeout if self._running else 0.01)
         except BaseException:  # pragma: no cover - a bug; make it visible and fail requests
             log.exception("py-kvcache reactor crashed")
             self._fail_everything()
