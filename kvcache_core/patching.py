@@ -3,7 +3,8 @@
 A target is a vLLM checkout (its root holds ``vllm/``), an installed package's
 site-packages directory, or the ``vllm`` package directory itself. The series for vLLM
 ``X`` lives in ``vllm_patches/vX/series`` (one patch file name per line, ``#`` comments).
-Patches are unified diffs with ``a/``/``b/`` prefixes applied with GNU ``patch -p1``.
+Patches are unified diffs with ``a/``/``b/`` prefixes applied with GNU ``patch -p1 -F0``
+(no fuzz: a context line that changed is a conflict, never a silent guess).
 
 Contract: :func:`apply_series` is idempotent (already applied patches are skipped) and
 all-or-nothing (every patch is dry-run first; on any conflict nothing is changed); a
@@ -82,7 +83,7 @@ def detect_version(root: str) -> str:
 def _patch(root: str, patch: str, *args: str) -> subprocess.CompletedProcess:
     if shutil.which("patch") is None:
         raise PatchError("GNU patch is required (apt-get install patch)")
-    return subprocess.run(["patch", "-p1", "-d", root, "-i", patch, "--batch", "-s",
+    return subprocess.run(["patch", "-p1", "-d", root, "-i", patch, "--batch", "-s", "-F0",
                            "--no-backup-if-mismatch", "-r", "-", *args],
                           capture_output=True, text=True)
 

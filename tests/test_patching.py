@@ -1,0 +1,102 @@
+"""`kvcache patch-vllm`: the series applies to the pinned release, idempotently,
+all-or-nothing, reversibly; another version is refused. Real GNU patch on real trees built
+from the installed vLLM 0.26.0 (a site-packages layout and a git checkout layout)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kvcache_core import patching
+
+pytest.importorskip("vllm")
+
+
+def _installed_root() -> str:
+    import vllm
+
+    return os.path.dirname(os.path.dirname(vllm.__file__))
+
+
+def _touched() -> list[str]:
+    out = []
+    for p in patching.read_series("0.26.0"):
+        with open(p) as f:
+            out += [ln[6:].strip() for ln in f if ln.startswith("+++ b/")]
+    return out
+
+
+def _tree(tmp_path, checkout: bool = False) -> str:
+    """A minimal vLLM tree with the files the series touches, in their PRISTINE state."""
+    src = _installed_root()
+    root = str(tmp_path / ("vllm-checkout" if checkout else "site-packages"))
+    for rel in [*_touched(), "vllm/__init__.py"] + ([] if checkout else ["vllm/_version.py"]):
+        os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
+        shutil.copy(os.path.join(src, rel), os.path.join(root, rel))
+    # the installed vLLM may carry the series (make dev applies it): start pristine
+    patching.reverse_series(root, "0.26.0")
+    if checkout:
+        git = ["git", "-C", root, "-c", "user.email=t@t", "-c", "user.name=t"]
+        subprocess.run([*git, "init", "-q"], check=True)
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", "v0.26.0"], check=True)
+        subprocess.run([*git, "tag", "v0.26.0"], check=True)
+    return root
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvcache_core.cli", "patch-vllm", *args],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("checkout", [False, True], ids=["site-packages", "git-checkout"])
+def test_apply_is_idempotent_and_reversible(tmp_path, checkout):
+    root = _tree(tmp_path, checkout)
+    pristine = {p: open(os.path.join(root, p)).read() for p in _touched()}
+    assert _cli("--target", root, "--check").returncode == 1  # not applied
+    r = _cli("--target", root)
+    assert r.returncode == 0, r.stderr
+    once = {p: open(os.path.join(root, p)).read() for p in _touched()}
+    assert once != pristine
+    assert "_offer_preload_candidates" in once["vllm/v1/core/sched/scheduler.py"]
+    assert _cli("--target", root).returncode == 0  # again: no change
+    assert {p: open(os.path.join(root, p)).read() for p in _touched()} == once
+    assert _cli("--target", root, "--check").returncode == 0
+    assert _cli("--target", root, "--reverse").returncode == 0
+    assert {p: open(os.path.join(root, p)).read() for p in _touched()} == pristine
+
+
+def test_other_version_is_refused_clearly(tmp_path):
+    root = _tree(tmp_path)
+    vf = os.path.join(root, "vllm", "_version.py")
+    with open(vf) as f:
+        text = f.read()
+    with open(vf, "w") as f:
+        f.write(text.replace("0.26.0", "0.27.0"))
+    r = _cli("--target", root)
+    assert r.returncode == 2
+    assert "vLLM 0.27.0" in r.stderr and "0.26.0 only" in r.stderr
+
+
+def test_conflict_changes_nothing(tmp_path):
+    root = _tree(tmp_path)
+    mixin = os.path.join(root, "vllm/v1/worker/kv_connector_model_runner_mixin.py")
+    with open(mixin) as f:
+        text = f.read()
+    anchor = "kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)"
+    assert anchor in text
+    with open(mixin, "w") as f:
+        f.write(text.replace(anchor, "kv_connector.bind(scheduler_output)  # upstream change"))
+    before = {p: open(os.path.join(root, p)).read() for p in _touched()}
+    r = _cli("--target", root)
+    assert r.returncode == 2 and "nothing changed" in r.stderr
+    assert {p: open(os.path.join(root, p)).read() for p in _touched()} == before
+
+
+def test_not_a_vllm_tree(tmp_path):
+    r = _cli("--target", str(tmp_path))
+    assert r.returncode == 2 and "no vllm package here" in r.stderr
