@@ -104,6 +104,26 @@ def _cmd_patch_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from .breakeven import fit_from_longdoc, load_table
+
+    with open(args.from_longdoc) as f:
+        run = json.load(f)
+    table = fit_from_longdoc(run)
+    if os.path.exists(args.out) and not args.force:
+        old = load_table(args.out)
+        if (old.model, old.gpu) != (table.model, table.gpu):
+            print(f"kvcache calibrate: {args.out} holds a table for model {old.model!r} on "
+                  f"{old.gpu!r}; refusing to overwrite it with {table.model!r} on "
+                  f"{table.gpu!r} (use --force)", file=sys.stderr)
+            return 2
+    with open(args.out, "w") as f:
+        json.dump(table.to_json(), f, indent=1)
+    print(json.dumps({"model": table.model, "gpu": table.gpu,
+                      "min_prefix_tokens": table.thresholds}, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcache", description="py-kvcache: external KV cache for vLLM (DRAM + NVMe).",
@@ -139,6 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--max-age", type=float, default=600.0,
                     help="also remove any temp file older than this many seconds")
     gc.set_defaults(func=_cmd_gc)
+
+    cal = sub.add_parser(
+        "calibrate", help="fit a break-even table (breakeven_table) from measured runs",
+        description="Fit the break-even table from a long-document run "
+        "(scripts/bench_longdoc.py --json, with recompute, kvcache_dram and kvcache_disk "
+        "configurations on the target GPU and model): per tier, the smallest reusable prefix "
+        "for which loading beats recomputing at every larger measured size (null: never). "
+        "Refuses to overwrite a table of another model or GPU without --force.")
+    cal.add_argument("--from-longdoc", required=True, help="bench_longdoc.py result JSON")
+    cal.add_argument("--out", required=True, help="table file to write")
+    cal.add_argument("--force", action="store_true", help="overwrite another model's table")
+    cal.set_defaults(func=_cmd_calibrate)
 
     pv = sub.add_parser(
         "patch-vllm", help="apply / check / reverse the vLLM preload patches",

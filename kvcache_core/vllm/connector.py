@@ -83,6 +83,29 @@ def _full_attention(spec: KVCacheSpec) -> bool:
     return isinstance(spec, FullAttentionSpec)
 
 
+def load_gate(path: str, vllm_config: VllmConfig) -> Any:
+    """The break-even gate for ``path``; None (and ONE warning) if the file is missing or
+    belongs to another model: then nothing is gated. A malformed table is a ConfigError."""
+    import os
+
+    from ..breakeven import Gate, load_table
+
+    if not os.path.exists(path):
+        log.warning("py-kvcache: breakeven_table %s does not exist: loading every hit "
+                    "(run `kvcache calibrate`)", path)
+        return None
+    table = load_table(path)
+    model = os.path.basename(os.path.normpath(str(vllm_config.model_config.model)))
+    if table.model and table.model not in (model, str(vllm_config.model_config.model)):
+        log.warning("py-kvcache: breakeven_table %s was calibrated for model %r, this "
+                    "engine serves %r: not gating (calibrate this model)", path,
+                    table.model, model)
+        return None
+    log.info("py-kvcache: break-even gate from %s: min prefix tokens %s", path,
+             table.thresholds)
+    return Gate(table)
+
+
 def prepare_vllm_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
     """Validate our extra config and inject the private keys (idempotent, both roles)."""
     kvt = vllm_config.kv_transfer_config
@@ -136,6 +159,29 @@ class OffloadingConnector(_VllmOffloadingConnector):
         self._preload_max = opts.preload_max_blocks
         self._preload_plan: list[bytes] = []
         super().__init__(vllm_config, role, kv_cache_config)
+        self.gate = None
+        if role == KVConnectorRole.SCHEDULER and opts.breakeven_table:
+            self.gate = load_gate(opts.breakeven_table, vllm_config)
+            manager = getattr(self.connector_scheduler, "manager", None)
+            if self.gate is not None and manager is not None:
+                manager.extra_counters = self.gate.counters  # reported with the stats
+
+    # ------------------------------------------------------------------ break-even gate
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        """vLLM's lookup, then the break-even gate (R9): a reusable prefix shorter than its
+        source tier's threshold is refused (0 tokens) and vLLM recomputes it."""
+        cs = self.connector_scheduler
+        manager = getattr(cs, "manager", None)
+        if self.gate is None or manager is None or not hasattr(manager, "begin_lookup"):
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        manager.begin_lookup()
+        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if not n:
+            return n, load_async
+        if self.gate.allows(manager.lookup_tier(), num_computed_tokens + n):
+            return n, load_async
+        return 0, False
 
     # ------------------------------------------------------------------ preload
     def on_preload_candidates(self, requests: list[Any]) -> None:

@@ -127,6 +127,9 @@ class PyKVCacheManager(OffloadingManager):
         self._failed: set[OffloadKey] = set()
         self.counters: collections.Counter[str] = collections.Counter()
         self._reported: dict[str, int] = {}
+        self._lookup_disk = False
+        #: counters owned by others (the connector's break-even gate), reported in stats()
+        self.extra_counters: dict[str, int] = {}
         self._events_on = enable_events
         self._events: list[OffloadingEvent] = []
         # keys whose load failed -> until when they are treated as a miss (bounded)
@@ -167,6 +170,15 @@ class PyKVCacheManager(OffloadingManager):
             self._slot_key[slot] = None
 
     # ------------------------------------------------------------------ preload (R8)
+    def begin_lookup(self) -> None:
+        """The connector starts one request's lookups (break-even gate bookkeeping)."""
+        self._lookup_disk = False
+
+    def lookup_tier(self) -> str:
+        """Source tier of the lookups since :meth:`begin_lookup`: ``disk`` if any hit chunk
+        must come from disk, else ``dram``."""
+        return "disk" if self._lookup_disk else "dram"
+
     def _is_bad(self, key: OffloadKey) -> bool:
         until = self._bad.get(key)
         if until is None:
@@ -230,6 +242,7 @@ class PyKVCacheManager(OffloadingManager):
             return LookupResult.HIT
         if self._on_disk(key):
             self.counters["hits_disk"] += 1
+            self._lookup_disk = True
             return LookupResult.HIT
         self.counters["misses"] += 1
         return LookupResult.MISS
@@ -405,6 +418,7 @@ class PyKVCacheManager(OffloadingManager):
     def stats(self) -> dict[str, int]:
         """Cumulative counters of this engine (manager + worker-reported), plus gauges."""
         out = {k: self.counters.get(k, 0) for k in (*MANAGER_COUNTERS, *WORKER_COUNTERS)}
+        out.update(self.extra_counters)
         out["dram_slots"] = self.n_dram
         out["dram_cached"] = self.dram.cached if self.dram is not None else 0
         return out

@@ -39,13 +39,11 @@ VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk
                               "offload_prompt_only", "self_describing_kv_events")
 #: Keys of the vLLM glue itself (not storage-engine keys).
 GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookahead",
-                               "preload_max_blocks")
+                               "preload_max_blocks", "breakeven_table")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY,)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
-RESERVED_KEYS: dict[str, str] = {
-    "breakeven_table": "the break-even gate is not in this version",
-}
+RESERVED_KEYS: dict[str, str] = {}
 
 GLUE_KEY_HELP: dict[str, str] = {
     "spec_name": "vLLM: the OffloadingSpec class, 'PyKVCacheSpec'.",
@@ -64,6 +62,9 @@ GLUE_KEY_HELP: dict[str, str] = {
     "0 disables (default 4).",
     "preload_max_blocks": "New blocks planned for preload per scheduler step (default 64); "
     "the reactor still runs ONE speculative read at a time.",
+    "breakeven_table": "Path of a break-even table (`kvcache calibrate`): a reusable prefix "
+    "shorter than its source tier's threshold is recomputed instead of loaded. Missing file "
+    "or a table of another model: one warning, no gating. Unset: no gating.",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -83,6 +84,7 @@ class VllmOptions:
     model_dtype: str | None
     preload_lookahead: int = 4
     preload_max_blocks: int = 64
+    breakeven_table: str | None = None
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -138,10 +140,13 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     pm = ex.get("preload_max_blocks", 64)
     _need(isinstance(pm, int) and not isinstance(pm, bool) and pm > 0,
           "preload_max_blocks", "must be a positive integer", pm)
+    bt = ex.get("breakeven_table")
+    if bt is not None:
+        _need(isinstance(bt, str) and bt != "", "breakeven_table", "must be a file path", bt)
     return VllmOptions(storage=storage, explicit_block_size="block_size" in d,
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
                        load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
-                       preload_lookahead=pk, preload_max_blocks=pm)
+                       preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt)
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:

@@ -235,7 +235,7 @@ def test_config_errors_name_the_key(model_dir, workdir):
         H.extra_config(root, block_size=200),
         H.extra_config(root, staging_bytes=H.FILE_BYTES),
         H.extra_config(root, preload_lookahead=-1),
-        H.extra_config(root, breakeven_table="/nonexistent.json"),
+        H.extra_config(root, breakeven_table=5),
     ]})
     errs = r["errors"]
     assert all(e is not None for e in errs), errs

@@ -1,0 +1,55 @@
+"""Break-even gate in real vLLM 0.26 (CPU platform): a refused tier is recomputed with
+identical tokens and nothing is read; an accepted one loads; a missing table gates
+nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kvcache_core.breakeven import BreakevenTable
+
+from . import helpers as H
+
+
+def _table(tmp_path, model_dir, disk):
+    p = str(tmp_path / "table.json")
+    t = BreakevenTable(gpu="cpu", model=os.path.basename(model_dir),
+                       thresholds={"dram": 0, "disk": disk})
+    with open(p, "w") as f:
+        json.dump(t.to_json(), f)
+    return p
+
+
+def _run(model_dir, root, table):
+    llm = H.make_llm(model_dir, H.extra_config(root, breakeven_table=table))
+    try:
+        out = H.generate(llm, H.PROMPTS["A"])
+        H.drain(llm)
+        return out, H.manager(llm).stats()
+    finally:
+        H.shutdown(llm)
+
+
+def test_gate_refuses_and_accepts_disk_hits(model_dir, workdir, reference, tmp_path):
+    root = os.path.join(workdir, "root_gate")
+    llm = H.make_llm(model_dir, H.extra_config(root))
+    try:
+        H.generate(llm, H.PROMPTS["A"])
+        H.drain(llm)
+    finally:
+        H.shutdown(llm)
+    # disk never worth it here: the 768-token prefix on disk is recomputed
+    out, s = _run(model_dir, root, _table(tmp_path, model_dir, None))
+    assert H.same_output(out, reference["A"]) and out["num_cached_tokens"] == 0
+    assert s["gate_refused_disk"] == 1 and s["chunks_loaded_disk"] == 0, s
+    # threshold 512 tokens: the 768-token prefix is loaded
+    out, s = _run(model_dir, root, _table(tmp_path, model_dir, 512))
+    assert H.same_output(out, reference["A"]) and out["num_cached_tokens"] == 768
+    assert s["gate_accepted_disk"] == 1 and s["chunks_loaded_disk"] == 3, s
+    # threshold above the prefix: refused again
+    out, s = _run(model_dir, root, _table(tmp_path, model_dir, 1024))
+    assert out["num_cached_tokens"] == 0 and s["gate_refused_disk"] == 1, s
+    # a missing table: one warning, nothing gated
+    out, s = _run(model_dir, root, str(tmp_path / "absent.json"))
+    assert out["num_cached_tokens"] == 768 and "gate_refused_disk" not in s, s
