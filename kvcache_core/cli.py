@@ -20,6 +20,13 @@ def _config_epilog() -> str:
     defaults = StorageConfig()
     for k in StorageConfig.keys():
         lines.append(f"  {k} (default {getattr(defaults, k)!r}):\n      {KEY_HELP[k]}")
+    try:  # the vLLM glue's keys (no vLLM import needed)
+        from .vllm.options import GLUE_KEY_HELP
+    except Exception:  # pragma: no cover
+        GLUE_KEY_HELP = {}
+    lines.append("vLLM glue keys (kv_connector_extra_config only):")
+    for k, h in GLUE_KEY_HELP.items():
+        lines.append(f"  {k}:\n      {h}")
     return "\n".join(lines)
 
 
