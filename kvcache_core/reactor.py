@@ -117,7 +117,7 @@ class ReactorStats:
 class _Task:
     __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
                  "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags",
-                 "payload")
+                 "payload", "nread")
 
     def reset(self) -> None:
         self.ref = None
@@ -612,7 +612,7 @@ class Reactor:
                 return
             # Verified after this iteration's new reads are submitted (see _step): the disk
             # gets its next requests before we spend ~1 ms hashing 28 MiB.
-            t.wlen = res
+            t.nread = res
             self._verify.append(t)
         elif op == OP_WOPEN:
             if res < 0:
@@ -681,7 +681,7 @@ class Reactor:
     def _verify_reads(self) -> None:
         verify = self._verify
         for t in verify:
-            res = t.wlen
+            res = t.nread
             try:
                 n = self.layout.check_block(self.pool.views[t.slot], res, t.key, self.verify)
             except CorruptBlock as e:

@@ -188,6 +188,26 @@ class PyKVCacheManager(OffloadingManager):
         del self._bad[key]
         return False
 
+    def _plan_prefix(self, hashes: Sequence[Any], g: Any, out: list[OffloadKey],
+                     max_blocks: int) -> None:
+        """Append the disk-resident chunk keys of one request's KV group (prefix order,
+        stopping at the first chunk not on disk) that were not planned recently."""
+        planned = self._planned
+        hpc = g.hashes_per_chunk
+        for h in itertools.islice(hashes, hpc - 1, None, hpc):
+            key = make_offload_key(h, g.group_idx)
+            if key in planned:
+                planned.move_to_end(key)
+                continue
+            if self.dram is not None and self.dram.lookup(key) >= 0:
+                continue
+            if key in self._storing or key in self._bad or not self._on_disk(key):
+                return
+            planned[key] = None
+            out.append(key)
+            if len(out) >= max_blocks:
+                return
+
     def plan_preloads(self, requests: Sequence[Any], group_configs: Sequence[Any],
                       max_blocks: int) -> list[OffloadKey]:
         """Disk blocks of the waiting ``requests`` (scheduling order) worth reading ahead.
@@ -202,22 +222,8 @@ class PyKVCacheManager(OffloadingManager):
         out: list[OffloadKey] = []
         planned = self._planned
         for req in requests:
-            hashes = req.block_hashes
             for g in group_configs:
-                hpc = g.hashes_per_chunk
-                for h in itertools.islice(hashes, hpc - 1, None, hpc):
-                    key = make_offload_key(h, g.group_idx)
-                    if key in planned:
-                        planned.move_to_end(key)
-                        continue
-                    if self.dram is not None and self.dram.lookup(key) >= 0:
-                        continue
-                    if key in self._storing or key in self._bad or not self._on_disk(key):
-                        break
-                    planned[key] = None
-                    out.append(key)
-                    if len(out) >= max_blocks:
-                        break
+                self._plan_prefix(req.block_hashes, g, out, max_blocks)
                 if len(out) >= max_blocks:
                     break
             if len(out) >= max_blocks:

@@ -202,11 +202,12 @@ def _concat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
 
 
 class _CudaHandle:
-    __slots__ = ("event", "post", "keep")
+    """A submitted copy: its completion event and the pointer tensors it must outlive."""
+
+    __slots__ = ("event", "keep")
 
     def __init__(self, event: Any, keep: Any) -> None:
         self.event = event
-        self.post: Callable[[], Any] | None = None
         self.keep = keep
 
 
@@ -216,10 +217,8 @@ class KVCopier(Copier):
     ``to_device`` issues ALL chunks that became ready in one reactor iteration as one
     batch; chunks read from a DRAM-tier slot are validated first (header magic, key,
     geometry; no payload hash), and a refused chunk is marked ``ref.failed`` and not
-    copied. ``from_device`` copies one chunk for a store; when the chunk goes to a DRAM
-    slot and the file already exists (the reactor then skips the write and would not
-    write a header), it writes the slot header itself, so a retained DRAM slot always
-    holds a valid header + payload.
+    copied. ``from_device`` copies one chunk for a store (the reactor then writes the slot
+    header, DRAM-tier slots included, so a retained slot always holds header + payload).
     """
 
     def __init__(self, pool: StagingPool, offset: int, *, geometry: KVGeometry,
@@ -262,9 +261,6 @@ class KVCopier(Copier):
             return True
         if not handle.event.query():
             return False
-        if handle.post is not None:
-            handle.post()
-            handle.post = None
         handle.keep = None
         return True
 
