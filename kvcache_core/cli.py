@@ -111,12 +111,73 @@ def _cmd_patch_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _boundary_sizes(th: int | None, measured: set[int], top: int) -> list[int]:
+    """Extra document sizes just below and above a threshold (multiples of 256 tokens,
+    within the measured range, not already measured)."""
+    if not th:
+        return []
+    out = []
+    for f in (0.8, 1.25):
+        d = max(256, int(round(th * f / 256)) * 256)
+        if d <= top and d not in measured:
+            out.append(d)
+    return out
+
+
+def _calibrate_measure(args: argparse.Namespace) -> dict:
+    """Run the long-document measurements for calibration (resumable: every finished
+    configuration is saved in ``<out>.run.json`` and skipped when run again)."""
+    from .bench import longdoc
+    from .breakeven import fit_from_longdoc
+
+    run_path = os.path.splitext(args.out)[0] + ".run.json"
+    base = ["--model", args.model, "--root", args.root, "--docs", str(args.docs),
+            "--repeats", str(args.repeats), "--configs", "recompute,kvcache_dram,kvcache_disk"]
+    print(f"kvcache calibrate: step 1/2, sizes {args.tokens} -> {run_path}", file=sys.stderr)
+    rc = longdoc.main([*base, "--tokens", args.tokens, "--json", run_path, "--append",
+                       "--resume"])
+    if rc:
+        raise SystemExit(rc)
+    with open(run_path) as f:
+        run = json.load(f)
+    if args.no_check:
+        return run
+    table = fit_from_longdoc(run)
+    measured = {r["tokens"] for r in run["results"] if "tokens" in r}
+    extra = sorted({d for t in table.thresholds.values()
+                    for d in _boundary_sizes(t, measured, max(measured))})
+    check_path = os.path.splitext(args.out)[0] + ".check.json"
+    if extra:
+        print(f"kvcache calibrate: step 2/2, boundary check at {extra} tokens -> {check_path}",
+              file=sys.stderr)
+        rc = longdoc.main([*base, "--tokens", ",".join(map(str, extra)), "--json", check_path,
+                           "--append", "--resume"])
+        if rc:
+            raise SystemExit(rc)
+    else:
+        print("kvcache calibrate: step 2/2, no finite threshold inside the measured range: "
+              "no boundary check needed", file=sys.stderr)
+    if os.path.exists(check_path):
+        with open(check_path) as f:
+            run["results"] = run["results"] + json.load(f)["results"]
+    return run
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from .breakeven import fit_from_longdoc, load_table
 
-    with open(args.from_longdoc) as f:
-        run = json.load(f)
+    if args.from_longdoc:
+        with open(args.from_longdoc) as f:
+            run = json.load(f)
+    else:
+        if not args.root:
+            print("kvcache calibrate: --model needs --root (a directory on the cache's disk)",
+                  file=sys.stderr)
+            return 2
+        run = _calibrate_measure(args)
     table = fit_from_longdoc(run)
+    table.block_size = table.block_size or 256
+    table.dtype = table.dtype or "bfloat16"
     if os.path.exists(args.out) and not args.force:
         old = load_table(args.out)
         if (old.model, old.gpu) != (table.model, table.gpu):
@@ -168,13 +229,27 @@ def build_parser() -> argparse.ArgumentParser:
     gc.set_defaults(func=_cmd_gc)
 
     cal = sub.add_parser(
-        "calibrate", help="fit a break-even table (breakeven_table) from measured runs",
-        description="Fit the break-even table from a long-document run "
-        "(scripts/bench_longdoc.py --json, with recompute, kvcache_dram and kvcache_disk "
-        "configurations on the target GPU and model): per tier, the smallest reusable prefix "
-        "for which loading beats recomputing at every larger measured size (null: never). "
-        "Refuses to overwrite a table of another model or GPU without --force.")
-    cal.add_argument("--from-longdoc", required=True, help="bench_longdoc.py result JSON")
+        "calibrate", help="measure and fit a break-even table (breakeven_table)",
+        description="Measure (--model) or read (--from-longdoc) cold TTFT (recompute) and "
+        "hit TTFT from the DRAM tier and from disk (fresh process, page cache dropped) over "
+        "document sizes, on the target GPU and model, each engine in its own process; fit "
+        "per tier the smallest reusable prefix for which loading beats recomputing at every "
+        "larger measured size (null: never); then measure extra sizes just below and above "
+        "each finite threshold and refit. Progress goes to stderr; every finished "
+        "configuration is saved in <out>.run.json / <out>.check.json, so running the same "
+        "command again resumes. Refuses to overwrite a table of another model or GPU "
+        "without --force.")
+    src = cal.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model directory to measure (vLLM, dummy weights ok)")
+    src.add_argument("--from-longdoc", help="fit from an existing long-document run JSON")
+    cal.add_argument("--root", help="with --model: cache roots for the measurement (on the "
+                     "disk the cache will use)")
+    cal.add_argument("--tokens", default="1024,4096,16384,65536",
+                     help="with --model: document sizes (default 1024,4096,16384,65536)")
+    cal.add_argument("--docs", type=int, default=2, help="with --model: documents per size")
+    cal.add_argument("--repeats", type=int, default=2, help="with --model: hits per document")
+    cal.add_argument("--no-check", action="store_true",
+                     help="with --model: skip the boundary check")
     cal.add_argument("--out", required=True, help="table file to write")
     cal.add_argument("--force", action="store_true", help="overwrite another model's table")
     cal.set_defaults(func=_cmd_calibrate)

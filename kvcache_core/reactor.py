@@ -79,6 +79,10 @@ class Completion:
         return all(self.ok) and not self.cancelled
 
 
+#: Longest kernel wait while only store copies are in flight (see ``_run``).
+STORE_POLL_S = 0.001
+
+
 @dataclass
 class ReactorStats:
     loads_ok: int = 0
@@ -202,6 +206,9 @@ class Reactor:
         self._iov = [self.engine.make_iov(v) for v in self.pool.views]
         self._slot_len = [0] * self.pool.n_slots  # payload bytes held by a retained slot
         self.stats = ReactorStats(pool_bytes=self.pool.nbytes, slot_bytes=self.slot_bytes)
+        #: Diagnostics (reactor thread writes, anyone may read): seconds spent issuing
+        #: device copies (loads / stores), and the number of loop iterations.
+        self.timing = {"to_device_s": 0.0, "from_device_s": 0.0, "iterations": 0}
         self._on_complete = on_complete
         self._rflags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
         self._wflags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
@@ -313,14 +320,20 @@ class Reactor:
     # ================================================================ reactor thread
     def _run(self) -> None:
         try:
+            timing = self.timing
             while self._running or self._inbox:
+                timing["iterations"] += 1
                 worked = self._step()
                 if not worked:
-                    # Device copies in flight (CUDA events) wake nobody: poll them with a
-                    # zero timeout. Measured on the H200 (docs/results/h200/longdoc-*):
-                    # napping here instead (time.sleep(200 us)) made 64k disk hits 1.36x
-                    # slower, the GIL handoffs with vLLM's busy engine loop dominate.
-                    timeout = 0.0 if self._copies or self._store_copies else None
+                    # Device copies in flight (CUDA events) wake nobody: poll them. LOAD
+                    # copies are on a request's critical path: poll with a zero timeout
+                    # (measured on the H200, docs/results/h200/longdoc-*: napping 200 us
+                    # there made 64k disk hits 1.36x slower). STORE copies are not (vLLM
+                    # defers them): wait up to STORE_POLL_S in the kernel with the GIL
+                    # released, instead of spinning against vLLM's model-runner thread
+                    # while a long prefill is being stored.
+                    timeout = (0.0 if self._copies else
+                               STORE_POLL_S if self._store_copies else None)
                     self.engine.wait(timeout if self._running else 0.01)
         except BaseException:  # pragma: no cover - a bug; make it visible and fail requests
             log.exception("py-kvcache reactor crashed")
@@ -528,7 +541,9 @@ class Reactor:
                 t.state = COPY_IN
                 self._io_inflight += 1
                 try:
+                    c0 = time.perf_counter()
                     t.handle = self.copier.from_device(slot, t.ref, t.nbytes)
+                    self.timing["from_device_s"] += time.perf_counter() - c0
                 except Exception as e:  # bad source: fail this item, keep serving
                     log.error("py-kvcache: store copy failed for one block: %s", e)
                     self._store_failed(t, "copy", -_errno.EINVAL)
@@ -766,7 +781,9 @@ class Reactor:
             nbytes.append(t.nbytes)
             t.state = COPY_OUT
         try:
+            c0 = time.perf_counter()
             handle = self.copier.to_device(slots, dests, nbytes)
+            self.timing["to_device_s"] += time.perf_counter() - c0
         except Exception as e:  # bad destination: fail the batch's items, keep serving
             log.error("py-kvcache: device copy of %d blocks failed: %s", len(batch), e)
             slots.clear()

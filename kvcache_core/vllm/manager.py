@@ -404,7 +404,8 @@ class PyKVCacheManager(OffloadingManager):
             self._bad.popitem(last=False)
         for name, v in counters.items():
             self.counters[name] += v
-        self._maybe_export()
+        if counters or failed_keys:
+            self._maybe_export()
 
     def _maybe_export(self) -> None:
         """Write the counters to ``$KVCACHE_STATS_FILE`` (JSON, atomically replaced) after

@@ -103,6 +103,11 @@ class PyKVCacheWorker(OffloadingWorker):
         self._reported: dict[str, int] = {}
         self._closed = False
         self._preload_seq = 0
+        # Diagnostics (model-runner thread only): seconds this thread spent inside our
+        # calls, and the submit -> completion latency of load jobs. Plain float adds.
+        self.timing = {"main_submit_store_s": 0.0, "main_submit_load_s": 0.0,
+                       "main_get_finished_s": 0.0, "load_job_latency_sum_s": 0.0,
+                       "load_job_latency_max_s": 0.0, "load_jobs": 0}
         log.info("py-kvcache worker rank %d: %s, engine %s, O_DIRECT %s, %d staging + %d DRAM "
                  "slots of %d B, KV %s", rank, self.layout.base, self.reactor.engine.name,
                  self.reactor.direct, pool.n_staging, pool.n_dram, pool.slot_bytes,
@@ -122,6 +127,7 @@ class PyKVCacheWorker(OffloadingWorker):
                      dst_spec: LoadStoreSpec) -> bool:
         """Queue a GPU -> storage job (vLLM's step N store, submitted at step N+1)."""
         assert isinstance(dst_spec, PyKVStoreSpec), type(dst_spec)
+        t0 = time.perf_counter()
         refs = self.kv.split(src_spec, dst_spec.keys)
         if self.is_cuda:  # pragma: no cover - needs CUDA
             ev = torch.cuda.Event()
@@ -134,12 +140,14 @@ class PyKVCacheWorker(OffloadingWorker):
             items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext, 0))
         self._jobs[job_id] = _Job(False, refs, list(dst_spec.dram_slots), self._gpu_bytes(refs))
         self.reactor.store(job_id, items)
+        self.timing["main_submit_store_s"] += time.perf_counter() - t0
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
                     dst_spec: GPULoadStoreSpec) -> bool:
         """Queue a storage -> GPU job (DRAM hits skip the disk; see PyKVLoadSpec)."""
         assert isinstance(src_spec, PyKVLoadSpec), type(src_spec)
+        t0 = time.perf_counter()
         refs = self.kv.split(dst_spec, src_spec.keys)
         items = []
         for ref, slot, flag in zip(refs, src_spec.dram_slots, src_spec.flags, strict=True):
@@ -148,8 +156,10 @@ class PyKVCacheWorker(OffloadingWorker):
                 ref.check_header = True
             items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext,
                           flag if slot >= 0 else 0))
-        self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots), self._gpu_bytes(refs))
+        self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots), self._gpu_bytes(refs),
+                                  t0)
         self.reactor.load(job_id, items)
+        self.timing["main_submit_load_s"] += time.perf_counter() - t0
         return True
 
     def submit_preloads(self, keys: list[bytes]) -> None:
@@ -173,6 +183,12 @@ class PyKVCacheWorker(OffloadingWorker):
             if job is None:  # pragma: no cover - not ours
                 continue
             if job.is_load:
+                lat = time.perf_counter() - job.t0
+                tm = self.timing
+                tm["load_jobs"] += 1
+                tm["load_job_latency_sum_s"] += lat
+                if lat > tm["load_job_latency_max_s"]:
+                    tm["load_job_latency_max_s"] = lat
                 for i, ref in enumerate(job.refs):
                     slot = job.dram_slots[i]
                     if c.ok[i] and not ref.failed:
@@ -191,8 +207,10 @@ class PyKVCacheWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call (all reported successful; see module doc)."""
+        t0 = time.perf_counter()
         self._drain()
         out, self._results = self._results, []
+        self.timing["main_get_finished_s"] += time.perf_counter() - t0
         return out
 
     def wait(self, job_ids: set[int]) -> None:
@@ -256,7 +274,8 @@ class PyKVCacheWorker(OffloadingWorker):
         line = {**snap, "rank": self.rank, "peak_staging_bytes": r.alloc.peak_busy * r.slot_bytes,
                 "staging_budget_bytes": r.n_staging * r.slot_bytes,
                 "pool_bytes": r.pool.nbytes if r.pool.views else 0, "engine": r.engine.name,
-                "direct_io": r.direct}
+                "direct_io": r.direct, "timing": dict(self.timing),
+                "reactor_timing": dict(r.timing)}
         try:
             with open(f"{path}.workers.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")

@@ -156,6 +156,60 @@ def test_chunk_mapping_matches_vllm_sub_block_pointers(bpc, vllm_available):
         assert sorted(ours) == sorted(ref[0] + ref[1])
 
 
+
+def _pages(ops, page: int) -> list[tuple[int, int, int]]:
+    """Expand descriptors into (tensor, kv offset, pool offset) per page."""
+    out = []
+    for t, k, p, n in zip(*(a.tolist() for a in ops), strict=True):
+        assert n % page == 0
+        out += [(t, k + i * page, p + i * page) for i in range(n // page)]
+    return out
+
+
+@pytest.mark.parametrize("bpc", [1, 4, 16])
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_batch_ops_equal_per_chunk_ops_and_coalesce(bpc, consecutive, vllm_available):
+    """The vectorised, coalesced descriptors of a whole batch move exactly the same pages
+    as the per-chunk reference :meth:`KVGeometry.ops`, and consecutive GPU blocks
+    collapse to one copy per (chunk, tensor). Also checked on real bytes (CPU copy)."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    page, n_t, nb = 256, 3, 256
+    g = _geometry(bpc, n_tensors=n_t, nb=nb, page=page)
+    slot_bytes = n_t * bpc * page + HEADER_BYTES
+    rng = np.random.default_rng(bpc + 7 * consecutive)
+    for _ in range(20):
+        skip = int(rng.integers(0, bpc))
+        n_blocks = int(rng.integers(1, 6 * bpc + 1))
+        n_chunks = -(-(n_blocks + skip) // bpc)
+        if consecutive:
+            start = int(rng.integers(0, nb - n_blocks))
+            gpu_ids = np.arange(start, start + n_blocks, dtype=np.int64)
+        else:
+            gpu_ids = rng.choice(nb, size=n_blocks, replace=False).astype(np.int64)
+        spec = GPULoadStoreSpec(gpu_ids.tolist(), [n_blocks], [skip + bpc * 3])
+        slots = rng.choice(64, size=n_chunks, replace=False)
+        refs = g.split(spec, [key(int(s)) for s in slots])
+        bases = [int(s) * slot_bytes + HEADER_BYTES for s in slots]
+        ref_pages = []
+        for r, b in zip(refs, bases, strict=True):
+            ref_pages += _pages(g.ops(r, b), page)
+        got = g.batch_ops(refs, bases)
+        assert sorted(_pages(got, page)) == sorted(ref_pages)
+        assert sorted(_pages(g.batch_ops(refs, bases, coalesce=False), page)) == \
+            sorted(ref_pages)
+        if consecutive:
+            assert len(got[0]) == n_t * n_chunks  # one copy per (chunk, tensor)
+        # real bytes: copy pool -> KV with the coalesced descriptors == per-page copies
+        pool = torch.randint(-128, 127, (64 * slot_bytes,), dtype=torch.int8)
+        a = [f.clone().zero_() for f in g.flat]
+        b = [f.clone().zero_() for f in g.flat]
+        for t, k, p, n in zip(*(x.tolist() for x in got), strict=True):
+            a[t][k:k + n].copy_(pool[p:p + n])
+        for t, k, p in ref_pages:
+            b[t][k:k + page].copy_(pool[p:p + page])
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
 def test_split_rejects_inconsistent_specs(vllm_available):
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 

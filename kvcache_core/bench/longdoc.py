@@ -1,0 +1,623 @@
+#!/usr/bin/env python3
+"""Long-document benchmark (the paper's Fig. 4 workload) on real vLLM 0.26.0.
+
+N documents of D tokens are sent once (store; cold TTFT), then each is repeated R times in
+random order (load; hit TTFT), one output token each, GPU prefix cache off. Configurations,
+all in one run, each engine in its own process group:
+
+  recompute     no connector
+  native_cpu    vLLM CPUOffloadingSpec (DRAM)
+  native_fs     vLLM TieringOffloadingSpec + fs tier; load phase in a fresh process with
+                the page cache dropped
+  kvcache_disk  py-kvcache, DRAM tier off; load phase in a fresh process, page cache dropped
+  kvcache_dram  py-kvcache, DRAM tier on (same process)
+  kvcache_disk_gate / kvcache_dram_gate
+                the same with the break-even gate on (``--gate-table``; ``auto`` fits the
+                table from this run's recompute / kvcache_dram / kvcache_disk rows first)
+  kvcache_preload / kvcache_nopreload
+                kvcache_disk with scheduler preload on (preload_lookahead from
+                ``--preload-lookahead``; needs the patched vLLM) / off (preload_lookahead 0)
+
+The same run measures the disk's O_DIRECT read bandwidth on the cache root and pinned
+host->device bandwidth, so the floor KV/disk + KV/pcie is known. Output JSON:
+{"machine","model","kv_bytes_per_token","disk_read_gbps","pcie_h2d_gbps",
+ "results":[{"config","tokens","concurrency","ttft_cold_s","ttft_hit_s", ...}]} (medians).
+
+Load phase: the R repeats of the N documents in random order, at most ``--concurrency``
+requests in flight (all submitted at once; concurrency 1 = one after another);
+``--fresh-frac F`` mixes in that fraction of requests with NO reusable prefix (new random
+documents) to see what the cache costs requests that cannot use it.
+
+Usage: python -m kvcache_core.bench.longdoc --model DIR --root DIR --json OUT.json
+       [--tokens 1024,4096,16384,65536] [--configs ...] [--docs 2] [--repeats 2]
+       [--concurrency 1] [--gate-table auto|PATH --gate-json G.json]
+       [--preload-json P.json --workload longdoc|mixed]
+(``scripts/bench_longdoc.py`` is the same program.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ALL_CONFIGS = ["recompute", "native_cpu", "native_fs", "kvcache_disk", "kvcache_dram",
+               "kvcache_disk_gate", "kvcache_dram_gate", "kvcache_preload", "kvcache_nopreload"]
+BASE_CONFIGS = ALL_CONFIGS[:5]
+COLD_PROCESS = {"native_fs", "kvcache_disk", "kvcache_disk_gate", "kvcache_preload",
+                "kvcache_nopreload"}
+GATE_OF = {"kvcache_disk_gate": "disk", "kvcache_dram_gate": "dram"}
+
+
+def log(msg: str) -> None:
+    print(f"[longdoc {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2  # bf16
+
+
+VOCAB = 128000
+
+
+def docs_for(tokens: int, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed * 1_000_003 + tokens)
+    hi = max(200, VOCAB - 100)
+    return [[rng.randrange(100, hi) for _ in range(tokens)] for _ in range(n)]
+
+
+def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
+    block = {"block_size": 256}
+    if cfg == "recompute":
+        return None
+    if cfg == "native_cpu":
+        extra = {**block, "cpu_bytes_to_use": int(doc_bytes * args.docs * 1.3)}
+    elif cfg == "native_fs":
+        extra = {**block, "spec_name": "TieringOffloadingSpec",
+                 "cpu_bytes_to_use": int(doc_bytes * 1.3),
+                 "secondary_tiers": [{"type": "fs", "root_dir": os.path.join(args.root, cfg)}]}
+    else:
+        dram = int(doc_bytes * args.docs * 1.3) if cfg.startswith("kvcache_dram") else 0
+        extra = {**block, "spec_name": "PyKVCacheSpec", "spec_module_path": "kvcache_core.vllm",
+                 "root_dir": os.path.join(args.root, cfg), "staging_bytes": args.staging_bytes,
+                 "io_depth": args.io_depth, "lookahead": args.io_depth,
+                 "dram_cache_bytes": dram,
+                 "preload_lookahead": 0 if cfg == "kvcache_nopreload"
+                 else args.preload_lookahead}
+        if cfg in GATE_OF:
+            extra["breakeven_table"] = args.gate_table_path
+        return {"kv_connector": "OffloadingConnector",
+                "kv_connector_module_path": "kvcache_core.vllm", "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
+
+
+# ---------------------------------------------------------------------------- worker
+async def _ttft(engine, ids: list[int], rid: str) -> float:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    t0 = time.perf_counter()
+    async for _out in engine.generate(TokensPrompt(prompt_token_ids=ids), sp, rid):
+        return time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+async def _limited(sem: asyncio.Semaphore, engine, ids: list[int], rid: str) -> float:
+    async with sem:
+        return await _ttft(engine, ids, rid)
+
+
+async def _worker(args) -> dict:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    global VOCAB
+    with open(os.path.join(args.model, "config.json")) as f:
+        VOCAB = json.load(f).get("vocab_size", VOCAB)
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    kvb = kv_bytes_per_token(args.model)
+    tc = transfer_config(args.config, args, max(tokens) * kvb)
+    ea = AsyncEngineArgs(model=args.model, load_format="dummy", enforce_eager=True,
+                         enable_prefix_caching=False, max_model_len=max(tokens) + 64,
+                         gpu_memory_utilization=0.85, skip_tokenizer_init=True,
+                         kv_transfer_config=tc, seed=0,
+                         num_gpu_blocks_override=args.gpu_blocks or None)
+    t0 = time.perf_counter()
+    engine = AsyncLLM.from_engine_args(ea)
+    log(f"{args.config}/{args.phase}: engine up in {time.perf_counter() - t0:.1f}s")
+    out: dict = {"config": args.config, "phase": args.phase, "rows": []}
+    rng = random.Random(7)
+    try:
+        # warm-up (CUDA graphs off; first kernels / allocator)
+        await _ttft(engine, docs_for(512, 1, 99)[0], "warm")
+        for d in tokens:
+            docs = docs_for(d, args.docs, args.seed)
+            row = {"tokens": d, "concurrency": args.concurrency}
+            if args.phase in ("store", "both"):
+                cold = []
+                for i, doc in enumerate(docs):
+                    cold.append(await _ttft(engine, doc, f"s{d}-{i}"))
+                row["ttft_cold_all"] = cold
+                await asyncio.sleep(args.settle)  # deferred stores finish
+            if args.phase in ("load", "both"):
+                order = [i for i in range(len(docs)) for _ in range(args.repeats)]
+                rng.shuffle(order)
+                n_fresh = int(round(len(order) * args.fresh_frac / max(1e-9,
+                                                                       1 - args.fresh_frac)))
+                fresh = docs_for(d, n_fresh, args.seed + 1000 + d) if n_fresh else []
+                # fresh documents (-1 - k) spread evenly through the order
+                for k in range(n_fresh):
+                    order.insert(rng.randrange(len(order) + 1), -1 - k)
+                sem = asyncio.Semaphore(max(1, args.concurrency))
+                t0 = time.perf_counter()
+                hits = list(await asyncio.gather(*[
+                    _limited(sem, engine, docs[i] if i >= 0 else fresh[-1 - i], f"h{d}-{j}")
+                    for j, i in enumerate(order)]))
+                row["load_wall_s"] = time.perf_counter() - t0
+                row["ttft_hit_all"] = hits
+                row["hit_docs"] = order
+            out["rows"].append(row)
+            log(f"{args.config}/{args.phase} D={d}: " + ", ".join(
+                f"{k}={statistics.median(v):.3f}s" for k, v in row.items()
+                if k.endswith("_all")))
+    finally:
+        engine.shutdown()
+    return out
+
+
+# ---------------------------------------------------------------------------- driver
+def _run_child(args, config: str, phase: str, timeout: float) -> dict | None:
+    part = os.path.join(args.work, f"{config}-{phase}.json")
+    cmd = [sys.executable, "-m", "kvcache_core.bench.longdoc", "--worker", "--config", config,
+           "--phase", phase, "--model", args.model, "--root", args.root, "--tokens",
+           args.tokens, "--docs", str(args.docs), "--repeats", str(args.repeats),
+           "--concurrency", str(args.concurrency), "--staging-bytes", str(args.staging_bytes),
+           "--io-depth", str(args.io_depth), "--out-part", part, "--seed", str(args.seed),
+           "--fresh-frac", str(args.fresh_frac), "--gpu-blocks", str(args.gpu_blocks),
+           "--preload-lookahead",
+           str(args.preload_lookahead), "--gate-table-path", args.gate_table_path or ""]
+    env = dict(os.environ, PYTHONHASHSEED="0",
+               KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"))
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log(f"{config}/{phase}: timeout after {timeout}s")
+        rc = -1
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if rc != 0 or not os.path.exists(part):
+        log(f"{config}/{phase}: failed rc={rc}")
+        return None
+    with open(part) as f:
+        return json.load(f)
+
+
+def _first_access(lrow: dict) -> list[float]:
+    """TTFTs of the first access to each document in the load phase: in a cold process
+    with the page cache dropped, the ones that really come from disk (a later repeat may
+    hit a DRAM/CPU tier that the first access filled)."""
+    docs = lrow.get("hit_docs")
+    if docs is None:
+        return []
+    seen: set[int] = set()
+    out = []
+    for t, i in zip(lrow["ttft_hit_all"], docs, strict=True):
+        if i >= 0 and i not in seen:
+            seen.add(i)
+            out.append(t)
+    return out
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError as e:
+        log(f"cannot drop page cache: {e}")
+        return False
+
+
+def measure_disk(root: str) -> float:
+    """O_DIRECT read GB/s of 28 MiB files at depth 8 on the root's filesystem."""
+    sys.path.insert(0, REPO)
+    from kvcache_core.bench.storage import _raw
+    from kvcache_core.io import probe_direct
+    from kvcache_core.staging import StagingPool
+
+    d = os.path.join(root, "disk-probe")
+    os.makedirs(d, exist_ok=True)
+    size, n = 28 << 20, 48
+    pool = StagingPool(8, size, pin=False)
+    paths = [os.path.join(d, f"f{i}") for i in range(n)]
+    direct = probe_direct(d)
+    _raw(paths, size, 8, True, direct, pool.views)
+    drop_caches()
+    dt = _raw(paths, size, 8, False, direct, pool.views)
+    pool.close()
+    shutil.rmtree(d, ignore_errors=True)
+    return n * size / dt / 1e9
+
+
+def measure_pcie() -> float:
+    import torch
+
+    if not torch.cuda.is_available():
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 5 * (1 << 30) / (time.perf_counter() - t0) / 1e9
+
+
+def _gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:
+        return "?"
+
+
+def read_stats(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvcache-bench-longdoc", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="model directory (config.json; dummy weights)")
+    ap.add_argument("--root", default="/tmp/longdoc-root", help="cache roots live under here")
+    ap.add_argument("--json", help="result JSON (also writes .md and .png next to it)")
+    ap.add_argument("--tokens", default="1024,4096,16384,65536",
+                    help="document sizes in tokens, comma-separated")
+    ap.add_argument("--configs", default=",".join(BASE_CONFIGS),
+                    help=f"comma-separated, from: {', '.join(ALL_CONFIGS)}")
+    ap.add_argument("--docs", type=int, default=2, help="documents per size")
+    ap.add_argument("--repeats", type=int, default=2, help="hits per document")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="max requests in flight in the load phase")
+    ap.add_argument("--fresh-frac", type=float, default=0.0,
+                    help="fraction of load-phase requests with no reusable prefix (mixed "
+                    "workload); 0 = all reuse")
+    ap.add_argument("--staging-bytes", type=int, default=1 << 30)
+    ap.add_argument("--io-depth", type=int, default=8)
+    ap.add_argument("--preload-lookahead", type=int, default=4,
+                    help="preload_lookahead of the kvcache configs (kvcache_nopreload: 0)")
+    ap.add_argument("--gate-table", default=None,
+                    help="break-even table for the *_gate configs: a path, or 'auto' (fit it "
+                    "from this run's recompute/kvcache_dram/kvcache_disk rows, written next "
+                    "to --json as breakeven-<model>.json)")
+    ap.add_argument("--gate-json", help="also write the gate result file (issue schema)")
+    ap.add_argument("--preload-json", help="also write the preload result file")
+    ap.add_argument("--workload", default="longdoc", choices=("longdoc", "mixed"),
+                    help="workload name recorded in --preload-json")
+    ap.add_argument("--gpu-blocks", type=int, default=0,
+                    help="cap vLLM's GPU KV cache at this many blocks (num_gpu_blocks_override) "
+                    "so that requests queue, as on a loaded server; 0 = vLLM's own sizing")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settle", type=float, default=2.0, help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=900, help="per engine process, seconds")
+    ap.add_argument("--machine", default=None, help="machine name for the JSON")
+    ap.add_argument("--append", action="store_true",
+                    help="merge into an existing --json: replace the rows of the configs run "
+                    "now, keep the others (several calls on one machine, one result file)")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --append: skip configs that already have rows in --json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("--out-part", help=argparse.SUPPRESS)
+    ap.add_argument("--gate-table-path", default="", help=argparse.SUPPRESS)
+    return ap
+
+
+def _load_stats(args, cfg: str) -> tuple[list[dict], list[dict]]:
+    """(all worker stat lines, load-phase ones) of one configuration."""
+    w = args.work
+    load = (read_stats(os.path.join(w, f"{cfg}-load.stats.workers.jsonl"))
+            + read_stats(os.path.join(w, f"{cfg}-both.stats.workers.jsonl")))
+    return read_stats(os.path.join(w, f"{cfg}-store.stats.workers.jsonl")) + load, load
+
+
+def _ensure_gate_table(args, results: list[dict], model_name: str) -> None:
+    if args.gate_table_path:
+        return
+    if args.gate_table in (None, ""):
+        raise SystemExit("*_gate configs need --gate-table PATH|auto")
+    if args.gate_table != "auto":
+        args.gate_table_path = os.path.abspath(args.gate_table)
+        return
+    from kvcache_core.breakeven import fit_from_longdoc
+
+    run = {"results": results + list(getattr(args, "_old_results", None) or []),
+           "gpu": _gpu_name(), "model": model_name, "disk_read_gbps": args._disk,
+           "pcie_h2d_gbps": args._pcie}
+    table = fit_from_longdoc(run)
+    table.block_size = 256
+    table.dtype = "bfloat16"
+    out_dir = os.path.dirname(os.path.abspath(args.json or os.path.join(args.root, "x")))
+    path = os.path.join(out_dir, f"breakeven-{model_name}.json")
+    with open(path, "w") as f:
+        json.dump(table.to_json(), f, indent=1)
+    args.gate_table_path = path
+    log(f"gate table fitted from this run: {table.thresholds} -> {path}")
+
+
+def _summary(ttfts: list[float], order: list[int]) -> dict:
+    reuse = [t for t, i in zip(ttfts, order, strict=False) if i >= 0]
+    fresh = [t for t, i in zip(ttfts, order, strict=False) if i < 0]
+    qs = statistics.quantiles(ttfts, n=10) if len(ttfts) >= 2 else ttfts * 9
+    return {"mean_ttft_s": statistics.fmean(ttfts), "median_ttft_s": statistics.median(ttfts),
+            "p90_ttft_s": qs[8],
+            "mean_ttft_reuse_s": statistics.fmean(reuse) if reuse else None,
+            "mean_ttft_noreuse_s": statistics.fmean(fresh) if fresh else None,
+            "n_requests": len(ttfts), "n_noreuse": len(fresh)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        res = asyncio.run(_worker(args))
+        with open(args.out_part, "w") as f:
+            json.dump(res, f)
+        return 0
+
+    os.makedirs(args.root, exist_ok=True)
+    args.work = os.path.join(args.root, "parts")
+    os.makedirs(args.work, exist_ok=True)
+    model_name = os.path.basename(os.path.normpath(args.model))
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in ALL_CONFIGS]
+    if bad:
+        raise SystemExit(f"unknown config(s) {bad}; choose from {ALL_CONFIGS}")
+    if args.resume and args.append and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            done = {r["config"] for r in json.load(f).get("results", []) if "error" not in r}
+        skipped = [c for c in configs if c in done]
+        configs = [c for c in configs if c not in done]
+        if skipped:
+            log(f"resume: {', '.join(skipped)} already measured in {args.json}")
+    log("measuring disk and PCIe bandwidth")
+    disk = measure_disk(args.root)
+    pcie = measure_pcie()
+    args._disk, args._pcie = disk, pcie
+    log(f"disk_read_gbps={disk:.2f} pcie_h2d_gbps={pcie:.1f}")
+    kvb = kv_bytes_per_token(args.model)
+    results: list[dict] = []
+    out = save(args, results, disk, pcie, kvb, model_name)
+    for n, cfg in enumerate(configs, 1):
+        log(f"[{n}/{len(configs)}] {cfg}")
+        if cfg in GATE_OF:
+            _ensure_gate_table(args, results, model_name)
+        shutil.rmtree(os.path.join(args.root, cfg), ignore_errors=True)
+        for stale in ("store", "load", "both"):
+            for ext in (".stats", ".stats.workers.jsonl"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(args.work, f"{cfg}-{stale}{ext}"))
+        if cfg in COLD_PROCESS:
+            store = _run_child(args, cfg, "store", args.timeout)
+            dropped = drop_caches()
+            load = _run_child(args, cfg, "load", args.timeout)
+        else:
+            store = load = _run_child(args, cfg, "both", args.timeout)
+            dropped = None
+        stats, lstats = _load_stats(args, cfg)
+        if not store or not load:
+            results.append({"config": cfg, "error": "engine run failed"})
+            out = save(args, results, disk, pcie, kvb, model_name)
+            continue
+        for srow, lrow in zip(store["rows"], load["rows"], strict=False):
+            d = srow["tokens"]
+            floor = d * kvb / (disk * 1e9) + d * kvb / (pcie * 1e9)
+            first = _first_access(lrow)
+            hits = lrow["ttft_hit_all"]
+            row = {"config": cfg, "tokens": d, "concurrency": args.concurrency,
+                   "ttft_cold_s": statistics.median(srow["ttft_cold_all"]),
+                   "ttft_hit_s": statistics.median(hits),
+                   "ttft_first_hit_s": statistics.median(first) if first else None,
+                   "ttft_cold_all": srow["ttft_cold_all"], "ttft_hit_all": hits,
+                   "hit_docs": lrow.get("hit_docs"), "wall_s": lrow.get("load_wall_s"),
+                   "kv_bytes": d * kvb, "disk_floor_s": floor, "page_cache_dropped": dropped,
+                   **_summary(hits, lrow.get("hit_docs") or [0] * len(hits))}
+            results.append(row)
+        if stats:
+            peak = max(s.get("peak_staging_bytes", 0) for s in stats)
+            budget = max(s.get("staging_budget_bytes", 0) for s in stats)
+            diag = {"timing_store_phase": [s.get("timing") for s in stats if s not in lstats],
+                    "timing_load_phase": [s.get("timing") for s in lstats],
+                    "reactor_timing": [s.get("reactor_timing") for s in stats]}
+            for r in results:
+                if r["config"] == cfg:
+                    r["peak_staging_bytes"] = peak
+                    r["staging_budget_bytes"] = budget
+                    r["disk_read_bytes"] = sum(s.get("bytes_read", 0) for s in lstats)
+                    r["worker_stats"] = diag
+                    if cfg in GATE_OF:
+                        r["gate_table"] = args.gate_table_path
+        shutil.rmtree(os.path.join(args.root, cfg), ignore_errors=True)
+        out = save(args, results, disk, pcie, kvb, model_name)  # after every config
+    print(json.dumps({k: v for k, v in out.items() if k != "results"}, indent=1))
+    return 0
+
+
+def save(args, results: list[dict], disk: float, pcie: float, kvb: int,
+         model_name: str) -> dict:
+    """Write JSON + table + plot (called after every configuration: a run cut short by
+    a time limit still leaves its finished configurations)."""
+    for r in results:
+        r["disk_read_gbps"], r["pcie_h2d_gbps"] = disk, pcie
+    out = {"machine": args.machine or _gpu_name(), "gpu": _gpu_name(), "model": model_name,
+           "kv_bytes_per_token": kvb, "disk_read_gbps": disk, "pcie_h2d_gbps": pcie,
+           "docs": args.docs, "repeats": args.repeats, "results": list(results)}
+    if args.append and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            old = json.load(f)
+        if not getattr(args, "_old_results", None):
+            args._old_results = old.get("results", [])
+        ran = {r["config"] for r in results}
+        kept = [r for r in args._old_results if r["config"] not in ran]
+        out["results"] = kept + list(results)
+        bw = [(r.get("disk_read_gbps"), r.get("pcie_h2d_gbps")) for r in out["results"]]
+        out["disk_read_gbps"] = statistics.median(b[0] for b in bw if b[0])
+        out["pcie_h2d_gbps"] = statistics.median(b[1] for b in bw if b[1])
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        write_table(out, os.path.splitext(args.json)[0] + ".md")
+        try:
+            plot(out, os.path.splitext(args.json)[0] + ".png")
+        except Exception as e:  # matplotlib missing etc.
+            log(f"no plot: {e}")
+    if args.gate_json and args.gate_table_path:
+        from .gate_report import write_gate
+
+        write_gate(out, args.gate_table_path, args.gate_json)
+    if args.preload_json:
+        write_preload(out, args.preload_json, args.workload)
+    return out
+
+
+PRELOAD_CONFIGS = ("kvcache_preload", "kvcache_nopreload", "native_fs")
+PRELOAD_KEYS = ("tokens", "concurrency", "mean_ttft_s", "median_ttft_s", "p90_ttft_s",
+                "mean_ttft_noreuse_s", "mean_ttft_reuse_s", "wall_s", "peak_staging_bytes",
+                "staging_budget_bytes", "disk_read_bytes", "n_requests", "n_noreuse")
+
+
+def write_preload(run: dict, path: str, workload: str) -> dict:
+    """Write / merge the preload result file: rows keyed by (workload, config, tokens);
+    a later run replaces only its own rows. Also a Markdown table next to it."""
+    rows = [{"workload": workload, "config": r["config"], **{k: r.get(k) for k in PRELOAD_KEYS}}
+            for r in run["results"] if r.get("config") in PRELOAD_CONFIGS and "tokens" in r]
+    old: list[dict] = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f).get("results", [])
+    new_keys = {(r["workload"], r["config"], r["tokens"]) for r in rows}
+    allrows = [r for r in old if (r["workload"], r["config"], r["tokens"]) not in new_keys] + rows
+    out = {"machine": run["machine"], "model": run["model"],
+           "disk_read_gbps": run["disk_read_gbps"], "results": allrows}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    lines = [f"# Preload: {run['model']} on {run['machine']}", "",
+             "Disk-only (fresh process, page cache dropped), all requests submitted at once, "
+             "at most `concurrency` in flight, one output token. Times in seconds.", "",
+             "| workload | tokens | conc | config | mean TTFT | median | p90 | mean no-reuse | "
+             "wall | peak staging / budget (MB) | disk read (GB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f3(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    for r in sorted(allrows, key=lambda r: (r["workload"], r["tokens"], r["config"])):
+        st = ("-" if r.get("peak_staging_bytes") is None else
+              f"{r['peak_staging_bytes'] / 1e6:.0f} / {r['staging_budget_bytes'] / 1e6:.0f}")
+        rd = "-" if not r.get("disk_read_bytes") else f"{r['disk_read_bytes'] / 1e9:.1f}"
+        lines.append(f"| {r['workload']} | {r['tokens']} | {r['concurrency']} | {r['config']} "
+                     f"| {f3(r['mean_ttft_s'])} | {f3(r['median_ttft_s'])} | "
+                     f"{f3(r['p90_ttft_s'])} | {f3(r['mean_ttft_noreuse_s'])} | "
+                     f"{f3(r['wall_s'])} | {st} | {rd} |")
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return out
+
+
+def _hit(r: dict) -> float:
+    """Hit TTFT to report: for the cold-process disk configurations the first access of
+    each document (really read from disk; a repeat may hit the CPU tier it filled)."""
+    if r["config"] in COLD_PROCESS and r.get("ttft_first_hit_s") is not None:
+        return r["ttft_first_hit_s"]
+    return r["ttft_hit_s"]
+
+
+def write_table(out: dict, path: str) -> None:
+    rows = [r for r in out["results"] if "ttft_hit_s" in r]
+    sizes = sorted({r["tokens"] for r in rows})
+    cfgs = [c for c in ALL_CONFIGS if any(r["config"] == c for r in rows)]
+    lines = [f"# Long-document TTFT: {out['model']} on {out['machine']}", "",
+             f"KV {out['kv_bytes_per_token']} B/token; disk read {out['disk_read_gbps']:.2f} "
+             f"GB/s, pinned H2D {out['pcie_h2d_gbps']:.1f} GB/s (same run). Medians of "
+             f"{out['docs']} docs x {out['repeats']} repeats, concurrency "
+             f"{', '.join(str(c) for c in sorted({r['concurrency'] for r in rows}))}, "
+             "one output token, "
+             "GPU prefix cache off. Hit TTFT in seconds (cold TTFT of recompute in the first "
+             "column); for native_fs and kvcache_disk (fresh process, page cache dropped) the "
+             "first access of each document, which is the one read from disk.", "",
+             "| tokens | recompute | " + " | ".join(f"{c} hit" for c in cfgs) + " | disk floor |",
+             "|---|---|" + "---|" * len(cfgs) + "---|"]
+    for d in sizes:
+        by = {r["config"]: r for r in rows if r["tokens"] == d}
+        rec = by.get("recompute", {}).get("ttft_cold_s")
+        cells = [f"{_hit(by[c]):.3f}" if c in by else "-" for c in cfgs]
+        floor = next(iter(by.values()))["disk_floor_s"]
+        lines.append(f"| {d} | {rec:.3f} | " if rec else f"| {d} | - | ")
+        lines[-1] += " | ".join(cells) + f" | {floor:.3f} |"
+    errs = [r for r in out["results"] if "error" in r]
+    for e in errs:
+        lines.append(f"\n{e['config']}: {e['error']}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    rows = [r for r in out["results"] if "ttft_hit_s" in r]
+    for cfg in ALL_CONFIGS:
+        pts = sorted((r["tokens"], _hit(r)) for r in rows if r["config"] == cfg)
+        if not pts:
+            continue
+        label = "recompute" if cfg == "recompute" else f"{cfg} hit"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=label)
+    fl = sorted({(r["tokens"], r["disk_floor_s"]) for r in rows})
+    ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="disk floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("document tokens")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title(f"{out['model']} on {out['machine']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

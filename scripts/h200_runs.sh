@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU measurements behind docs/results/h200/ (one H200, vLLM 0.26.0 runtime staged
+# with ../shared/gpu/stage.sh). Each step is one device call of at most 10 minutes;
+# results accumulate in $RES (kept while the machine is held) and are copied to $OUT.
+# Every step resumes: configurations already in the result JSON are skipped.
+#
+#   bash scripts/h200_runs.sh longdoc llama-3.2-3b   # issue 3: 5 configs, conc 1, 1k-64k
+#   bash scripts/h200_runs.sh gate    llama-3.2-3b   # issue 5: table from the run, gate on
+#   bash scripts/h200_runs.sh preload llama-3.2-3b   # issue 4: queued disk hits, preload on/off
+set -euo pipefail
+STEP=${1:?step: longdoc|gate|preload}
+M=${2:?model: llama-3.2-3b|llama-3.1-8b}
+RES=${RES:-/tmp/res}
+ROOT=${ROOT:-/tmp/ldroot}
+OUT=${OUT:-$RES/out}
+mkdir -p "$RES" "$OUT"
+SITE=$(python3 -c 'import vllm,os;print(os.path.dirname(os.path.dirname(vllm.__file__)))')
+python3 -m kvcache_core.cli patch-vllm --target "$SITE" >/dev/null
+python3 -m kvcache_core.cli patch-vllm --target "$SITE" --check
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader || true
+B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$ROOT"
+   --machine "H200 (GPU machine)" --append --resume --timeout 420)
+case "$STEP" in
+  longdoc)
+    "${B[@]}" --json "$RES/longdoc-$M.json" \
+      --configs recompute,kvcache_dram,native_cpu,kvcache_disk,native_fs ;;
+  gate)
+    "${B[@]}" --json "$RES/longdoc-$M.json" --configs kvcache_dram_gate,kvcache_disk_gate \
+      --gate-table auto --gate-json "$RES/gate-$M.json" ;;
+  preload)
+    # 40k-token documents; the GPU KV cache capped at 4 such requests so the rest queue
+    # (a loaded server); 2 docs x 6 hits + 25% requests with no reusable prefix, all 16
+    # submitted at once.
+    "${B[@]}" --json "$RES/preload-run-$M.json" --tokens 40960 --docs 2 --repeats 6 \
+      --fresh-frac 0.25 --concurrency 16 --gpu-blocks 10496 --workload mixed \
+      --configs kvcache_nopreload,kvcache_preload,native_fs \
+      --preload-json "$RES/preload-$M.json" ;;
+  *) echo "unknown step $STEP" >&2; exit 2 ;;
+esac
+cp -r "$RES"/*.json "$RES"/*.md "$RES"/*.png "$OUT"/ 2>/dev/null || true
