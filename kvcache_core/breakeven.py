@@ -91,6 +91,10 @@ class Gate:
         self._min = {t: table.thresholds.get(t, 0) for t in TIERS}
         self.counters = {f"gate_{a}_{t}": 0 for a in ("accepted", "refused") for t in TIERS}
 
+    def never(self, tier: str) -> bool:
+        """True if the table refuses every prefix from ``tier`` (threshold null)."""
+        return self._min[tier] is None
+
     def allows(self, tier: str, prefix_tokens: int) -> bool:
         m = self._min[tier]
         ok = m is not None and prefix_tokens >= m

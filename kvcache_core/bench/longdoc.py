@@ -15,8 +15,10 @@ all in one run, each engine in its own process group:
                 the same with the break-even gate on (``--gate-table``; ``auto`` fits the
                 table from this run's recompute / kvcache_dram / kvcache_disk rows first)
   kvcache_preload / kvcache_nopreload
-                kvcache_disk with scheduler preload on (preload_lookahead from
-                ``--preload-lookahead``; needs the patched vLLM) / off (preload_lookahead 0)
+                py-kvcache with scheduler preload on (preload_lookahead from
+                ``--preload-lookahead``; needs the patched vLLM) / off (preload_lookahead 0);
+                load phase in a fresh process, page cache dropped; a DRAM tier of the same
+                size as native_fs's CPU tier (1.3 documents), cold at the start
 
 The same run measures the disk's O_DIRECT read bandwidth on the cache root and pinned
 host->device bandwidth, so the floor KV/disk + KV/pcie is known. Output JSON:
@@ -90,7 +92,12 @@ def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
                  "cpu_bytes_to_use": int(doc_bytes * 1.3),
                  "secondary_tiers": [{"type": "fs", "root_dir": os.path.join(args.root, cfg)}]}
     else:
-        dram = int(doc_bytes * args.docs * 1.3) if cfg.startswith("kvcache_dram") else 0
+        if cfg.startswith("kvcache_dram"):
+            dram = int(doc_bytes * args.docs * 1.3)
+        elif cfg in ("kvcache_preload", "kvcache_nopreload"):
+            dram = int(doc_bytes * 1.3)  # the same DRAM budget as native_fs's CPU tier
+        else:
+            dram = 0
         extra = {**block, "spec_name": "PyKVCacheSpec", "spec_module_path": "kvcache_core.vllm",
                  "root_dir": os.path.join(args.root, cfg), "staging_bytes": args.staging_bytes,
                  "io_depth": args.io_depth, "lookahead": args.io_depth,

@@ -165,6 +165,14 @@ class OffloadingConnector(_VllmOffloadingConnector):
             manager = getattr(self.connector_scheduler, "manager", None)
             if self.gate is not None and manager is not None:
                 manager.extra_counters = self.gate.counters  # reported with the stats
+                if self.gate.never("disk"):
+                    # Disk loads are always refused on this node: writing files would only
+                    # slow the requests that store (and preloading them is wasted I/O).
+                    manager.disk_stores = False
+                    self.preload_lookahead = 0
+                    log.info("py-kvcache: the break-even table says disk loads never beat "
+                             "recompute here: disk writes and preloads are off, the DRAM "
+                             "tier (if any) still stores and serves")
 
     # ------------------------------------------------------------------ break-even gate
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int

@@ -69,6 +69,8 @@ MANAGER_COUNTERS: dict[str, str] = {
     "stores": "Chunks stored (written through to disk).",
     "stores_dram": "Stored chunks that also went into a DRAM-tier slot.",
     "stores_skipped": "Chunks not stored because they are already cached or in flight.",
+    "stores_skipped_gate": "Chunks not stored because the break-even table says disk loads "
+    "never pay off on this node and the DRAM tier had no slot (disk writes off).",
     "dram_evictions": "DRAM-tier slots reclaimed from another key.",
     "load_failures": "Chunk loads that failed (missing/corrupt file or invalid DRAM "
     "slot); vLLM recomputed them.",
@@ -130,6 +132,9 @@ class PyKVCacheManager(OffloadingManager):
         self._lookup_disk = False
         #: counters owned by others (the connector's break-even gate), reported in stats()
         self.extra_counters: dict[str, int] = {}
+        #: False when the break-even table says the disk tier never beats recompute (set
+        #: by the connector): stores then fill DRAM-tier slots only and write no files.
+        self.disk_stores = True
         self._events_on = enable_events
         self._events: list[OffloadingEvent] = []
         # keys whose load failed -> until when they are treated as a miss (bounded)
@@ -327,6 +332,7 @@ class PyKVCacheManager(OffloadingManager):
         # keys of this call that are DRAM-cached are pinned meanwhile: not evicted for it
         pinned = [] if self.dram is None else [
             s for s in (self.dram.pin(k) for k in keys) if s >= 0]
+        disk = self.disk_stores
         for key in keys:
             if (key in self._storing
                     or (self.dram is not None and self.dram.lookup(key) >= 0)
@@ -334,6 +340,9 @@ class PyKVCacheManager(OffloadingManager):
                 self.counters["stores_skipped"] += 1
                 continue
             slot = self._acquire(evicted) if self.dram is not None else -1
+            if slot < 0 and not disk:  # disk-only store, and the disk never pays off
+                self.counters["stores_skipped_gate"] += 1
+                continue
             self._storing[key] = slot
             to_store.append(key)
             slots.append(slot)
@@ -344,7 +353,7 @@ class PyKVCacheManager(OffloadingManager):
             assert self.dram is not None
             self.dram.unpin(slot)
         return PrepareStoreOutput(keys_to_store=to_store,
-                                  store_spec=PyKVStoreSpec(to_store, slots),
+                                  store_spec=PyKVStoreSpec(to_store, slots, no_disk=not disk),
                                   evicted_keys=evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,

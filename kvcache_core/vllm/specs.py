@@ -12,16 +12,23 @@ class PyKVStoreSpec(LoadStoreSpec):
     """Destination of a store job: chunk ``i`` is ``keys[i]``, copied into DRAM-tier slot
     ``dram_slots[i]`` (then written through to disk), or through a reactor staging slot
     when ``dram_slots[i] == -1``. Keys are in the order of the chunks of the job's
-    ``GPULoadStoreSpec`` (group-major, chunk order)."""
+    ``GPULoadStoreSpec`` (group-major, chunk order). ``no_disk``: fill the DRAM-tier slots
+    only, write no file (the break-even table says disk loads never pay off here); every
+    slot is then >= 0."""
 
-    def __init__(self, keys: Sequence[bytes], dram_slots: Sequence[int]) -> None:
+    def __init__(self, keys: Sequence[bytes], dram_slots: Sequence[int],
+                 no_disk: bool = False) -> None:
         if len(keys) != len(dram_slots):
             raise ValueError("keys and dram_slots differ in length")
+        if no_disk and any(s < 0 for s in dram_slots):
+            raise ValueError("no_disk stores need a DRAM-tier slot for every chunk")
         self.keys: list[bytes] = list(keys)
         self.dram_slots: list[int] = list(dram_slots)
+        self.no_disk = no_disk
 
     def __repr__(self) -> str:
-        return f"PyKVStoreSpec(n={len(self.keys)}, dram_slots={self.dram_slots})"
+        return (f"PyKVStoreSpec(n={len(self.keys)}, dram_slots={self.dram_slots}, "
+                f"no_disk={self.no_disk})")
 
 
 class PyKVLoadSpec(LoadStoreSpec):

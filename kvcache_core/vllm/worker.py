@@ -45,7 +45,7 @@ from vllm.v1.kv_offload.base import (
 
 from ..config import StorageConfig
 from ..layout import Layout, Namespace
-from ..reactor import IN_SLOT, Completion, Reactor
+from ..reactor import IN_SLOT, NO_DISK, Completion, Reactor
 from ..staging import Priority
 from .options import PoolGeometry
 from .specs import PyKVLoadSpec, PyKVStoreSpec
@@ -135,9 +135,10 @@ class PyKVCacheWorker(OffloadingWorker):
             for r in refs:
                 r.after = ev
         items = []
+        flag = NO_DISK if getattr(dst_spec, "no_disk", False) else 0
         for ref, slot in zip(refs, dst_spec.dram_slots, strict=True):
             ext = self.n_staging + slot if slot >= 0 else -1
-            items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext, 0))
+            items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext, flag))
         self._jobs[job_id] = _Job(False, refs, list(dst_spec.dram_slots), self._gpu_bytes(refs))
         self.reactor.store(job_id, items)
         self.timing["main_submit_store_s"] += time.perf_counter() - t0

@@ -53,3 +53,29 @@ def test_gate_refuses_and_accepts_disk_hits(model_dir, workdir, reference, tmp_p
     # a missing table: one warning, nothing gated
     out, s = _run(model_dir, root, str(tmp_path / "absent.json"))
     assert out["num_cached_tokens"] == 768 and "gate_refused_disk" not in s, s
+
+
+def test_disk_never_worth_it_turns_disk_writes_off(model_dir, workdir, reference, tmp_path):
+    """A table whose disk tier never wins: no file is written (cold requests do not pay for
+    disk writes), the DRAM tier still stores and serves, output stays identical."""
+    table = _table(tmp_path, model_dir, None)
+    root = os.path.join(workdir, "root_gate_nodisk")
+    # DRAM tier off: nothing is stored at all
+    out, s = _run(model_dir, root, table)
+    assert H.same_output(out, reference["A"])
+    assert s["stores"] == 0 and s["stores_skipped_gate"] == 3, s
+    assert H.cache_files(root) == set()
+    # DRAM tier on: the second request is a DRAM hit, still no file on disk
+    llm = H.make_llm(model_dir, H.extra_config(root, breakeven_table=table,
+                                               dram_cache_bytes=8 * H.FILE_BYTES))
+    try:
+        H.generate(llm, H.PROMPTS["B"])
+        H.drain(llm)
+        out = H.generate(llm, H.PROMPTS["B"])
+        H.drain(llm)
+        s = H.manager(llm).stats()
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(out, reference["B"]) and out["num_cached_tokens"] == 768, s
+    assert s["stores_dram"] == 3 and s["loads_dram"] == 3 and s["stores_written"] == 0, s
+    assert H.cache_files(root) == set()
