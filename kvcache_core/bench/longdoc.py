@@ -541,9 +541,9 @@ def write_preload(run: dict, path: str, workload: str) -> dict:
     lines = [f"# Preload: {run['model']} on {run['machine']}", "",
              "Disk-only (fresh process, page cache dropped), all requests submitted at once, "
              "at most `concurrency` in flight, one output token. Times in seconds.", "",
-             "| workload | tokens | conc | config | mean TTFT | median | p90 | mean no-reuse | "
-             "wall | peak staging / budget (MB) | disk read (GB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| workload | tokens | conc | config | mean TTFT | median | p90 | mean reuse | "
+             "mean no-reuse | wall | peak staging / budget (MB) | disk read (GB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f3(v):
         return "-" if v is None else f"{v:.3f}"
@@ -554,11 +554,45 @@ def write_preload(run: dict, path: str, workload: str) -> dict:
         rd = "-" if not r.get("disk_read_bytes") else f"{r['disk_read_bytes'] / 1e9:.1f}"
         lines.append(f"| {r['workload']} | {r['tokens']} | {r['concurrency']} | {r['config']} "
                      f"| {f3(r['mean_ttft_s'])} | {f3(r['median_ttft_s'])} | "
-                     f"{f3(r['p90_ttft_s'])} | {f3(r['mean_ttft_noreuse_s'])} | "
+                     f"{f3(r['p90_ttft_s'])} | {f3(r.get('mean_ttft_reuse_s'))} | "
+                     f"{f3(r['mean_ttft_noreuse_s'])} | "
                      f"{f3(r['wall_s'])} | {st} | {rd} |")
     with open(os.path.splitext(path)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+    try:
+        plot_preload(out, os.path.splitext(path)[0] + ".png")
+    except Exception as e:  # matplotlib missing
+        log(f"no preload plot: {e}")
     return out
+
+
+def plot_preload(out: dict, path: str) -> None:
+    """Grouped bars: mean TTFT of reusing and of no-reuse requests, per config, per
+    (workload, tokens)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["results"]
+    groups = sorted({(r["workload"], r["tokens"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+    for ax, (wl, d) in zip(axes[0], groups, strict=True):
+        rs = [r for r in rows if (r["workload"], r["tokens"]) == (wl, d)]
+        rs.sort(key=lambda r: PRELOAD_CONFIGS.index(r["config"]))
+        xs = range(len(rs))
+        reuse = [r.get("mean_ttft_reuse_s") or r["mean_ttft_s"] for r in rs]
+        fresh = [r.get("mean_ttft_noreuse_s") or 0.0 for r in rs]
+        ax.bar([x - 0.2 for x in xs], reuse, 0.4, label="reusing requests")
+        ax.bar([x + 0.2 for x in xs], fresh, 0.4, label="no reusable prefix")
+        ax.set_xticks(list(xs), [r["config"] for r in rs], fontsize=8)
+        ax.set_ylabel("mean TTFT (s)")
+        ax.set_title(f"{wl}, {d} tokens, {rs[0]['concurrency']} in flight")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{out['model']} on {out['machine']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _hit(r: dict) -> float:

@@ -63,8 +63,10 @@ GLUE_KEY_HELP: dict[str, str] = {
     "preload_max_blocks": "New blocks planned for preload per scheduler step (default 64); "
     "the reactor still runs ONE speculative read at a time.",
     "breakeven_table": "Path of a break-even table (`kvcache calibrate`): a reusable prefix "
-    "shorter than its source tier's threshold is recomputed instead of loaded. Missing file "
-    "or a table of another model: one warning, no gating. Unset: no gating.",
+    "shorter than its source tier's threshold is recomputed instead of loaded; a table whose "
+    "disk tier never wins also turns disk writes and preloads off (the DRAM tier still "
+    "stores). Missing file or a table of another model: one warning, no gating. Unset: no "
+    "gating.",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
