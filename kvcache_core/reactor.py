@@ -70,7 +70,7 @@ class Completion:
     """Outcome of one request. ``ok[i]`` is the status of item ``i`` of the request."""
 
     req_id: Hashable
-    kind: str  # "load" or "store"
+    kind: str  # "load", "store", or "store_copied" (early acknowledgement, see Reactor)
     ok: list[bool]
     cancelled: bool = False
 
@@ -79,6 +79,8 @@ class Completion:
         return all(self.ok) and not self.cancelled
 
 
+#: Most events kept by a reactor's diagnostic trace.
+TRACE_MAX = 1_000_000
 #: Longest kernel wait while only store copies are in flight (see ``_run``).
 STORE_POLL_S = 0.001
 
@@ -121,7 +123,7 @@ class ReactorStats:
 class _Task:
     __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
                  "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags",
-                 "payload", "nread")
+                 "payload", "nread", "copied")
 
     def reset(self) -> None:
         self.ref = None
@@ -131,6 +133,7 @@ class _Task:
         self.tmp = self.final = None
         self.cached = False
         self.ext = False
+        self.copied = False
         self.flags = 0
         self.payload = 0
         self.handle = None
@@ -138,7 +141,7 @@ class _Task:
 
 
 class _Request:
-    __slots__ = ("req_id", "kind", "ok", "remaining", "cancelled", "prio")
+    __slots__ = ("req_id", "kind", "ok", "remaining", "cancelled", "prio", "hold", "acked")
 
     def __init__(self, req_id, kind, n, prio):
         self.req_id = req_id
@@ -147,12 +150,23 @@ class _Request:
         self.remaining = n
         self.cancelled = False
         self.prio = prio
+        #: store: items still reading their source (not copied yet) + caller-slot items
+        #: not finished; at 0 the early acknowledgement may go out (see Reactor doc)
+        self.hold = 0
+        self.acked = False
 
 
 class Reactor:
     """Single-thread pipeline between a :class:`Layout`, a staging pool and a copier.
 
     ``retain`` turns finished slots into a DRAM cache tier (``policy`` lru|arc).
+    ``early_store_ack``: a store request is also reported (``Completion.kind ==
+    "store_copied"``) as soon as no item reads its source any more (every device copy
+    done) and every item in a caller-owned slot has finished, while items in the
+    reactor's own staging slots are still being written; the usual ``"store"``
+    completion follows when everything is written. vLLM's offloading scheduler waits for
+    a store job before it reuses the job's GPU blocks (``jobs_to_flush``), so without
+    this a new request waited for the previous request's disk writes.
     ``switch_interval``: the reactor lowers ``sys.setswitchinterval`` to this (process
     wide) when it is larger, because GIL handoffs with a busy host process (vLLM's engine
     loop) otherwise throttle it; ``None`` leaves the interpreter alone.
@@ -171,7 +185,8 @@ class Reactor:
                  | None = None, pin: bool | str = "auto", verify: bool = True,
                  on_complete: Callable[[Completion], None] | None = None,
                  name: str = "kvcache-reactor",
-                 switch_interval: float | None = SWITCH_INTERVAL_S) -> None:
+                 switch_interval: float | None = SWITCH_INTERVAL_S,
+                 trace: bool = False, early_store_ack: bool = False) -> None:
         self.layout = layout
         self.slot_bytes = layout.ns.file_bytes
         if switch_interval is not None and sys.getswitchinterval() > switch_interval:
@@ -209,6 +224,10 @@ class Reactor:
         #: Diagnostics (reactor thread writes, anyone may read): seconds spent issuing
         #: device copies (loads / stores), and the number of loop iterations.
         self.timing = {"to_device_s": 0.0, "from_device_s": 0.0, "iterations": 0}
+        self.early_store_ack = early_store_ack
+        #: Optional event trace (diagnostics): (time.monotonic(), event, request id, n),
+        #: appended by the reactor thread, read after :meth:`close`. Bounded.
+        self.trace: list[tuple[float, str, Any, int]] | None = [] if trace else None
         self._on_complete = on_complete
         self._rflags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
         self._wflags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
@@ -375,6 +394,8 @@ class Reactor:
             return
         _, req_id, kind, items, prio = msg
         req = _Request(req_id, kind, len(items), prio)
+        if self.trace is not None:
+            self._trace("load" if kind == LOAD else "store", req_id, len(items))
         if not items:
             self._complete(req)
             return
@@ -383,8 +404,12 @@ class Reactor:
             t = self._new_task()
             t.kind, t.key, t.ref, t.nbytes = kind, item[0], item[1], item[2]
             t.req, t.idx, t.prio = req, i, prio
+            if kind == STORE:
+                req.hold += 1
             if len(item) > 3 and item[3] >= 0:
                 t.slot, t.ext, t.flags = item[3], True, item[4]
+                if kind == STORE:
+                    req.hold += 1  # a caller-owned slot is released at the task's end
                 if kind == LOAD and t.flags & IN_SLOT:  # DRAM tier owned by the caller
                     t.state = READY
                     self.stats.loads_dram += 1
@@ -731,6 +756,9 @@ class Reactor:
                 continue
             t.handle = None
             progressed = True
+            if self.trace is not None:
+                self._trace("store_copied", t.req.req_id, t.idx)
+            self._source_done(t)
             view = self.pool.views[t.slot]
             # The header goes in first, also for caller-owned (DRAM tier) slots that are not
             # written to disk: a retained slot is always self-describing and checkable.
@@ -813,6 +841,8 @@ class Reactor:
         while copies and self.copier.done(copies[0][0]):
             _, batch = copies.popleft()
             progressed = True
+            if self.trace is not None:
+                self._trace("load_copied", None, len(batch))
             for t in batch:
                 if t.cached:
                     self.alloc.unpin(t.slot)
@@ -838,7 +868,40 @@ class Reactor:
         name = f"{what}:{_errno.errorcode.get(-res, str(-res))}"
         self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
 
+    def _source_done(self, t: _Task) -> None:
+        """A store item no longer reads its source (copied, or ended before copying)."""
+        if not t.copied:
+            t.copied = True
+            req = t.req
+            req.hold -= 1
+            if req.hold == 0 and req.remaining > 0:
+                self._early_ack(req)
+
+    def _early_ack(self, req: _Request) -> None:
+        """Every item of a store request has left its source and every caller-owned slot
+        item has finished: with ``early_store_ack`` the request is reported now, as
+        ``kind == "store_copied"``, while staging-slot items are still being written;
+        the final ``"store"`` completion follows as usual."""
+        if not self.early_store_ack or req.acked:
+            return
+        req.acked = True
+        c = Completion(req.req_id, "store_copied", list(req.ok), req.cancelled)
+        if self.trace is not None:
+            self._trace("ack_store", req.req_id, req.remaining)
+        self._done.append(c)
+        if self._on_complete is not None:
+            try:
+                self._on_complete(c)
+            except Exception:  # pragma: no cover - callback bug must not kill the reactor
+                log.exception("py-kvcache: completion callback failed")
+
     def _finish(self, t: _Task, ok: bool) -> None:
+        if t.kind == STORE:
+            req = t.req
+            req.hold -= t.ext + (not t.copied)
+            t.copied = True
+            if req.hold == 0 and req.remaining > 1:  # others still write: ack now
+                self._early_ack(req)
         if t is self._spec_active:
             self._spec_active = None
         if t.prio == Priority.SPECULATIVE and self._spec_by_key.get(t.key) is t:
@@ -857,9 +920,16 @@ class Reactor:
             self._reqs.pop(req.req_id, None)
             self._complete(req)
 
+    def _trace(self, event: str, req_id: Any, n: int) -> None:
+        tr = self.trace
+        if tr is not None and len(tr) < TRACE_MAX:
+            tr.append((time.monotonic(), event, req_id, n))
+
     def _complete(self, req: _Request) -> None:
         c = Completion(req.req_id, "load" if req.kind == LOAD else "store", req.ok,
                        req.cancelled)
+        if self.trace is not None:
+            self._trace("done_" + c.kind, req.req_id, len(req.ok))
         self._done.append(c)
         if self._on_complete is not None:
             try:

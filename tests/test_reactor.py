@@ -657,3 +657,45 @@ def test_reactor_without_pinning_does_not_import_torch(tmp_path):
                          env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_early_store_ack_before_staging_writes_after_caller_slots(make_layout, make_reactor):
+    """``early_store_ack``: a store request is acknowledged ("store_copied") once every
+    item left its source, while staging-slot items are still being written; items in
+    caller-owned slots must have finished first. The final "store" completion follows;
+    the files are all there and correct in the end."""
+    lay = make_layout()
+    seen: list = []
+
+    def on_complete(c):  # reactor thread: record what is published at that moment
+        seen.append((c.req_id, c.kind, [lay.exists(k) for k in keys + ext_keys]))
+
+    r = make_reactor(lay, n_slots=6, io_depth=2, external_slots=2, early_store_ack=True,
+                     on_complete=on_complete)
+    keys = keys_of("early", 5)
+    ext_keys = keys_of("early-ext", 2)
+    store_all(r, keys, req_id="staging")
+    assert r.wait(30)
+    ext_items = [(k, payload(k, BLOCK), BLOCK, r.n_staging + i, 0)
+                 for i, k in enumerate(ext_keys)]
+    r.store("mixed", [(k, payload(k, BLOCK), BLOCK) for k in keys_of("mix", 3)] + ext_items)
+    r.store("ext-only", [(k, payload(k, BLOCK), BLOCK, r.n_staging + i, 0)
+                         for i, k in enumerate(keys_of("ext2", 2))])
+    assert r.wait(30)
+    kinds = [(rid, kind) for rid, kind, _ in seen]
+    assert kinds[:2] == [("staging", "store_copied"), ("staging", "store")]
+    ack = next(p for rid, kind, p in seen if (rid, kind) == ("staging", "store_copied"))
+    assert not all(ack[:5])  # acknowledged before every staging write was published
+    mixed = [(kind, p) for rid, kind, p in seen if rid == "mixed"]
+    assert [k for k, _ in mixed][-1] == "store"
+    for kind, p in mixed:
+        if kind == "store_copied":
+            assert all(p[5:])  # caller-slot items were written before the ack
+    # only caller-owned slots: nothing to acknowledge early
+    assert [kind for rid, kind, _ in seen if rid == "ext-only"] == ["store"]
+    for k in keys + ext_keys:
+        assert lay.read_block(k) == payload(k, BLOCK)
+    # and without the option nothing changes: one completion per request
+    r2 = make_reactor(make_layout(), early_store_ack=False)
+    store_all(r2, keys_of("plain", 4), req_id="plain")
+    assert finish(r2)["plain"].kind == "store"

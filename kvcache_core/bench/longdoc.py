@@ -73,6 +73,8 @@ def kv_bytes_per_token(model_dir: str) -> int:
 
 
 VOCAB = 128000
+#: (request id, prompt tokens, submit time, first-token time), time.monotonic()
+REQ_LOG: list[tuple[str, int, float, float]] = []
 
 
 def docs_for(tokens: int, n: int, seed: int) -> list[list[int]]:
@@ -119,10 +121,12 @@ async def _ttft(engine, ids: list[int], rid: str) -> float:
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(max_tokens=1, temperature=0.0)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     async for _out in engine.generate(TokensPrompt(prompt_token_ids=ids), sp, rid):
-        return time.perf_counter() - t0
-    return time.perf_counter() - t0
+        break
+    t1 = time.monotonic()
+    REQ_LOG.append((rid, len(ids), t0, t1))  # CLOCK_MONOTONIC: comparable with the
+    return t1 - t0  # reactor trace written by the engine's worker process (--trace)
 
 
 async def _limited(sem: asyncio.Semaphore, engine, ids: list[int], rid: str) -> float:
@@ -186,6 +190,7 @@ async def _worker(args) -> dict:
                 if k.endswith("_all")))
     finally:
         engine.shutdown()
+    out["req_log"] = REQ_LOG
     return out
 
 
@@ -202,6 +207,8 @@ def _run_child(args, config: str, phase: str, timeout: float) -> dict | None:
            str(args.preload_lookahead), "--gate-table-path", args.gate_table_path or ""]
     env = dict(os.environ, PYTHONHASHSEED="0",
                KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"))
+    if args.trace:
+        env["KVCACHE_TRACE"] = os.path.join(args.trace, f"{config}-{phase}")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -218,7 +225,11 @@ def _run_child(args, config: str, phase: str, timeout: float) -> dict | None:
         log(f"{config}/{phase}: failed rc={rc}")
         return None
     with open(part) as f:
-        return json.load(f)
+        res = json.load(f)
+    if args.trace:
+        with open(os.path.join(args.trace, f"{config}-{phase}.requests.json"), "w") as f:
+            json.dump(res.get("req_log", []), f)
+    return res
 
 
 def _first_access(lrow: dict) -> list[float]:
@@ -342,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "now, keep the others (several calls on one machine, one result file)")
     ap.add_argument("--resume", action="store_true",
                     help="with --append: skip configs that already have rows in --json")
+    ap.add_argument("--trace", default=None,
+                    help="directory: keep each engine's reactor event trace there "
+                    "(<config>-<phase>.r<rank>.<pid>.json) and every request's submit and "
+                    "first-token times (<config>-<phase>.requests.json), all in "
+                    "CLOCK_MONOTONIC seconds (diagnostics)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--phase", help=argparse.SUPPRESS)
@@ -402,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     os.makedirs(args.root, exist_ok=True)
+    if args.trace:
+        args.trace = os.path.abspath(args.trace)
+        os.makedirs(args.trace, exist_ok=True)
     args.work = os.path.join(args.root, "parts")
     os.makedirs(args.work, exist_ok=True)
     model_name = os.path.basename(os.path.normpath(args.model))

@@ -15,6 +15,11 @@ Slots: the reactor's pool is ``n_staging`` reactor-managed staging slots followe
 that job (reactor side) until the job completes; then the worker may zero the header of
 a slot whose load failed, so an invalid slot can never be served as a DRAM hit.
 
+Store jobs are reported to vLLM when their device copies are done and their DRAM-tier
+items are written (the reactor's ``early_store_ack``): vLLM then may reuse the GPU
+blocks, while staging-slot items are still being written to disk. A key whose write later
+fails is simply not on disk (a later lookup misses).
+
 Failures: vLLM asserts that every ``TransferResult`` succeeds, so every job is reported
 successful; the GPU blocks of chunks that failed to load are reported through
 :meth:`take_invalid_block_ids` (the connector's ``get_block_ids_with_load_errors``) in
@@ -89,7 +94,8 @@ class PyKVCacheWorker(OffloadingWorker):
                 copier=functools.partial(KVCopier, geometry=self.kv, layout=self.layout,
                                          n_staging=pool.n_staging),
                 verify=storage.verify_checksum, on_complete=self._on_complete,
-                name=f"kvcache-reactor-r{rank}")
+                name=f"kvcache-reactor-r{rank}",
+                trace=bool(os.environ.get("KVCACHE_TRACE")), early_store_ack=True)
         except BaseException:
             self.layout.close()
             raise
@@ -107,7 +113,8 @@ class PyKVCacheWorker(OffloadingWorker):
         # calls, and the submit -> completion latency of load jobs. Plain float adds.
         self.timing = {"main_submit_store_s": 0.0, "main_submit_load_s": 0.0,
                        "main_get_finished_s": 0.0, "load_job_latency_sum_s": 0.0,
-                       "load_job_latency_max_s": 0.0, "load_jobs": 0}
+                       "load_job_latency_max_s": 0.0, "load_jobs": 0, "main_wait_s": 0.0,
+                       "main_wait_calls": 0}
         log.info("py-kvcache worker rank %d: %s, engine %s, O_DIRECT %s, %d staging + %d DRAM "
                  "slots of %d B, KV %s", rank, self.layout.base, self.reactor.engine.name,
                  self.reactor.direct, pool.n_staging, pool.n_dram, pool.slot_bytes,
@@ -181,7 +188,7 @@ class PyKVCacheWorker(OffloadingWorker):
     def _drain(self) -> None:
         for c in self.reactor.poll():
             job = self._jobs.pop(c.req_id, None)
-            if job is None:  # pragma: no cover - not ours
+            if job is None:  # the final "store" of a job acknowledged at "store_copied"
                 continue
             if job.is_load:
                 lat = time.perf_counter() - job.t0
@@ -217,14 +224,19 @@ class PyKVCacheWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         """Block until the given jobs have completed; their results stay queued for
         :meth:`get_finished`, as do any other completions seen meanwhile."""
-        while True:
-            with self._cv:
-                gen = self._gen
-            self._drain()
-            if not any(j in self._jobs for j in job_ids):
-                return
-            with self._cv:
-                self._cv.wait_for(functools.partial(self._moved, gen), timeout=1.0)
+        t0 = time.perf_counter()
+        self.timing["main_wait_calls"] += 1
+        try:
+            while True:
+                with self._cv:
+                    gen = self._gen
+                self._drain()
+                if not any(j in self._jobs for j in job_ids):
+                    return
+                with self._cv:
+                    self._cv.wait_for(functools.partial(self._moved, gen), timeout=1.0)
+        finally:
+            self.timing["main_wait_s"] += time.perf_counter() - t0
 
     def _moved(self, gen: int) -> bool:
         return self._gen != gen
@@ -283,6 +295,20 @@ class PyKVCacheWorker(OffloadingWorker):
         except OSError as e:
             log.warning("py-kvcache: cannot write %s.workers.jsonl: %s", path, e)
 
+    def _dump_trace(self) -> None:
+        """Write the reactor's event trace to ``$KVCACHE_TRACE.r<rank>.<pid>.json``
+        (diagnostics: [monotonic time, event, job id, n] rows; job ids are vLLM's)."""
+        base, tr = os.environ.get("KVCACHE_TRACE"), self.reactor.trace
+        if not base or tr is None:
+            return
+        rows = [[t, ev, rid if isinstance(rid, (int, str)) or rid is None else str(rid), n]
+                for t, ev, rid, n in tr]
+        try:
+            with open(f"{base}.r{self.rank}.{os.getpid()}.json", "w") as f:
+                json.dump(rows, f)
+        except OSError as e:
+            log.warning("py-kvcache: cannot write the trace: %s", e)
+
     def shutdown(self) -> None:
         """Finish in-flight I/O (stores already submitted are completed), stop the
         reactor, release the namespace's writer lock."""
@@ -297,5 +323,6 @@ class PyKVCacheWorker(OffloadingWorker):
             self.layout.close()
         snap = self._snapshot()
         self._export(snap)
+        self._dump_trace()
         log.info("py-kvcache worker rank %d stats: %s", self.rank,
                  " ".join(f"{k}={v}" for k, v in sorted(snap.items()) if v))

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Line up requests with the reactor's work: what did py-kvcache do during each TTFT?
+
+Input: the directory given to ``bench_longdoc.py --trace`` (per engine process: the
+requests' submit / first-token times and the reactor event traces, all CLOCK_MONOTONIC).
+For every request it prints its TTFT and, inside that window: store and load jobs
+submitted, store copies finished, store and load jobs completed, and how close to the
+first token the last store completion came. A first token that keeps arriving right
+after store completions says the request waited for its own stores.
+
+Usage: python scripts/trace_report.py TRACE_DIR [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import glob
+import json
+import os
+import sys
+from collections import defaultdict
+
+
+def load(trace_dir: str) -> dict[str, tuple[list, list]]:
+    """{'<config>-<phase>': (requests, events sorted by time)}."""
+    out: dict[str, tuple[list, list]] = {}
+    for req_path in sorted(glob.glob(os.path.join(trace_dir, "*.requests.json"))):
+        name = os.path.basename(req_path)[: -len(".requests.json")]
+        with open(req_path) as f:
+            reqs = json.load(f)
+        events: list = []
+        for tp in glob.glob(os.path.join(trace_dir, f"{name}.r[0-9]*.json")):
+            with open(tp) as f:
+                events += json.load(f)
+        events.sort(key=lambda e: e[0])
+        out[name] = (reqs, events)
+    return out
+
+
+def window(events: list, times: list[float], t0: float, t1: float) -> dict[str, int | float]:
+    i, j = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
+    counts: dict[str, int | float] = defaultdict(int)
+    last_store_done = None
+    for t, ev, _rid, _n in events[i:j]:
+        counts[ev] += 1
+        if ev == "done_store":
+            last_store_done = t
+    counts["last_store_done_before_token_ms"] = (
+        (t1 - last_store_done) * 1e3 if last_store_done is not None else -1)
+    return dict(counts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace_dir")
+    ap.add_argument("--json", help="also write the per-request rows here")
+    a = ap.parse_args(argv)
+    data = load(a.trace_dir)
+    if not data:
+        print(f"no *.requests.json under {a.trace_dir}", file=sys.stderr)
+        return 2
+    rows = []
+    for name, (reqs, events) in data.items():
+        times = [e[0] for e in events]
+        print(f"== {name}: {len(reqs)} requests, {len(events)} reactor events")
+        print(f"{'request':>16} {'tokens':>7} {'ttft ms':>9} {'stores':>6} {'copied':>6} "
+              f"{'st done':>7} {'loads':>5} {'ld done':>7} {'last st->tok ms':>15}")
+        for rid, n_tok, t0, t1 in reqs:
+            w = window(events, times, t0, t1)
+            row = {"engine": name, "request": rid, "tokens": n_tok, "ttft_ms": (t1 - t0) * 1e3,
+                   **w}
+            rows.append(row)
+            print(f"{rid:>16} {n_tok:>7} {row['ttft_ms']:>9.1f} {w.get('store', 0):>6} "
+                  f"{w.get('store_copied', 0):>6} {w.get('done_store', 0):>7} "
+                  f"{w.get('load', 0):>5} {w.get('done_load', 0):>7} "
+                  f"{w['last_store_done_before_token_ms']:>15.1f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
