@@ -67,7 +67,8 @@ SWITCH_INTERVAL_S = 0.0005
 
 @dataclass
 class Completion:
-    """Outcome of one request. ``ok[i]`` is the status of item ``i`` of the request."""
+    """Outcome of one request. ``ok[i]`` is the status of item ``i`` of the request
+    (for a ``"store_copied"`` acknowledgement: of the items finished so far)."""
 
     req_id: Hashable
     kind: str  # "load", "store", or "store_copied" (early acknowledgement, see Reactor)
@@ -123,7 +124,7 @@ class ReactorStats:
 class _Task:
     __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
                  "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags",
-                 "payload", "nread", "copied")
+                 "payload", "nread", "copied", "xslot")
 
     def reset(self) -> None:
         self.ref = None
@@ -134,6 +135,7 @@ class _Task:
         self.cached = False
         self.ext = False
         self.copied = False
+        self.xslot = -1  # the caller-owned slot this task owns (see Reactor._ext_owner)
         self.flags = 0
         self.payload = 0
         self.handle = None
@@ -150,8 +152,8 @@ class _Request:
         self.remaining = n
         self.cancelled = False
         self.prio = prio
-        #: store: items still reading their source (not copied yet) + caller-slot items
-        #: not finished; at 0 the early acknowledgement may go out (see Reactor doc)
+        #: store: items still reading their source (device copy not done); at 0 the
+        #: early acknowledgement may go out (see Reactor doc)
         self.hold = 0
         self.acked = False
 
@@ -162,11 +164,13 @@ class Reactor:
     ``retain`` turns finished slots into a DRAM cache tier (``policy`` lru|arc).
     ``early_store_ack``: a store request is also reported (``Completion.kind ==
     "store_copied"``) as soon as no item reads its source any more (every device copy
-    done) and every item in a caller-owned slot has finished, while items in the
-    reactor's own staging slots are still being written; the usual ``"store"``
-    completion follows when everything is written. vLLM's offloading scheduler waits for
-    a store job before it reuses the job's GPU blocks (``jobs_to_flush``), so without
-    this a new request waited for the previous request's disk writes.
+    done), while files are still being written (from staging slots or from caller-owned
+    slots); the usual ``"store"`` completion follows when everything is written. A
+    caller-owned slot stays owned by the task writing a file from it: a later task that
+    would overwrite that slot (a store or a disk load into it) waits for it. vLLM's
+    offloading scheduler waits for a store job before it reuses the job's GPU blocks
+    (``jobs_to_flush``), so without this a new request waited for the previous request's
+    disk writes.
     ``switch_interval``: the reactor lowers ``sys.setswitchinterval`` to this (process
     wide) when it is larger, because GIL handoffs with a busy host process (vLLM's engine
     loop) otherwise throttle it; ``None`` leaves the interpreter alone.
@@ -250,6 +254,12 @@ class Reactor:
         self._spec_active: _Task | None = None
         self._spec_by_key: dict[bytes, _Task] = {}  # preloads not yet staged
         self._joiners: dict[bytes, list[_Task]] = {}  # loads waiting on a preload's read
+        # Caller-owned (external) slots: the task that currently writes the slot or writes
+        # a file FROM it; later tasks that would overwrite the slot wait here, in order.
+        # (An early-acknowledged store may still be writing its file from the slot when
+        # the caller reuses the slot for another key.)
+        self._ext_owner: dict[int, int] = {}
+        self._ext_wait: dict[int, collections.deque] = {}
         # key a preload staged in a slot, until a load claims it (stale once reclaimed:
         # compared with the claiming key, so a reused slot never counts)
         self._staged: list[bytes | None] = [None] * self.pool.n_slots
@@ -408,17 +418,23 @@ class Reactor:
                 req.hold += 1
             if len(item) > 3 and item[3] >= 0:
                 t.slot, t.ext, t.flags = item[3], True, item[4]
-                if kind == STORE:
-                    req.hold += 1  # a caller-owned slot is released at the task's end
                 if kind == LOAD and t.flags & IN_SLOT:  # DRAM tier owned by the caller
                     t.state = READY
                     self.stats.loads_dram += 1
                     self._ready.append(t)
                     continue
-            if kind == LOAD:
-                self._route_load(t)
-            else:
-                self._new_fg.append(t)
+                t.xslot = t.slot
+                if t.slot in self._ext_owner:  # still in use by an earlier task: wait
+                    self._ext_wait.setdefault(t.slot, collections.deque()).append(t)
+                    continue
+                self._ext_owner[t.slot] = t.tid
+            self._route(t)
+
+    def _route(self, t: _Task) -> None:
+        if t.kind == LOAD:
+            self._route_load(t)
+        else:
+            self._new_fg.append(t)
 
     def _route_load(self, t: _Task) -> None:
         """Where a new load goes: retained/staged slot, join an in-flight preload, queue."""
@@ -515,8 +531,11 @@ class Reactor:
         if req is None:
             return
         req.cancelled = True
-        for dq in (self._new_fg, self._new_spec, self._opened_fg, self._opened_spec):
+        for dq in (self._new_fg, self._new_spec, self._opened_fg, self._opened_spec,
+                   *self._ext_wait.values()):
             for t in [t for t in dq if t.req is req]:
+                if t not in dq:  # a waiting task started meanwhile (slot released)
+                    continue
                 dq.remove(t)
                 if t.fd >= 0:
                     self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
@@ -878,10 +897,9 @@ class Reactor:
                 self._early_ack(req)
 
     def _early_ack(self, req: _Request) -> None:
-        """Every item of a store request has left its source and every caller-owned slot
-        item has finished: with ``early_store_ack`` the request is reported now, as
-        ``kind == "store_copied"``, while staging-slot items are still being written;
-        the final ``"store"`` completion follows as usual."""
+        """Every item of a store request has left its source: with ``early_store_ack``
+        the request is reported now, as ``kind == "store_copied"``, while files are still
+        being written; the final ``"store"`` completion follows as usual."""
         if not self.early_store_ack or req.acked:
             return
         req.acked = True
@@ -896,12 +914,13 @@ class Reactor:
                 log.exception("py-kvcache: completion callback failed")
 
     def _finish(self, t: _Task, ok: bool) -> None:
-        if t.kind == STORE:
+        if t.kind == STORE and not t.copied:
             req = t.req
-            req.hold -= t.ext + (not t.copied)
+            req.hold -= 1
             t.copied = True
             if req.hold == 0 and req.remaining > 1:  # others still write: ack now
                 self._early_ack(req)
+        ext_slot = t.xslot if t.xslot >= 0 and self._ext_owner.get(t.xslot) == t.tid else -1
         if t is self._spec_active:
             self._spec_active = None
         if t.prio == Priority.SPECULATIVE and self._spec_by_key.get(t.key) is t:
@@ -919,6 +938,20 @@ class Reactor:
         if req.remaining == 0:
             self._reqs.pop(req.req_id, None)
             self._complete(req)
+        if ext_slot >= 0:
+            self._release_ext(ext_slot)
+
+    def _release_ext(self, slot: int) -> None:
+        """The owner of caller-owned ``slot`` finished: start the next task waiting for it."""
+        del self._ext_owner[slot]
+        waiting = self._ext_wait.get(slot)
+        if not waiting:
+            return
+        nxt = waiting.popleft()
+        if not waiting:
+            del self._ext_wait[slot]
+        self._ext_owner[slot] = nxt.tid
+        self._route(nxt)
 
     def _trace(self, event: str, req_id: Any, n: int) -> None:
         tr = self.trace

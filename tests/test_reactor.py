@@ -659,11 +659,11 @@ def test_reactor_without_pinning_does_not_import_torch(tmp_path):
     assert out.stdout.strip() == "False"
 
 
-def test_early_store_ack_before_staging_writes_after_caller_slots(make_layout, make_reactor):
+def test_early_store_ack_before_the_writes(make_layout, make_reactor):
     """``early_store_ack``: a store request is acknowledged ("store_copied") once every
-    item left its source, while staging-slot items are still being written; items in
-    caller-owned slots must have finished first. The final "store" completion follows;
-    the files are all there and correct in the end."""
+    item left its source (device copies done), while its files are still being written,
+    from staging slots or from caller-owned slots. The final "store" completion follows;
+    every file is there and correct in the end."""
     lay = make_layout()
     seen: list = []
 
@@ -676,26 +676,44 @@ def test_early_store_ack_before_staging_writes_after_caller_slots(make_layout, m
     ext_keys = keys_of("early-ext", 2)
     store_all(r, keys, req_id="staging")
     assert r.wait(30)
-    ext_items = [(k, payload(k, BLOCK), BLOCK, r.n_staging + i, 0)
-                 for i, k in enumerate(ext_keys)]
-    r.store("mixed", [(k, payload(k, BLOCK), BLOCK) for k in keys_of("mix", 3)] + ext_items)
-    r.store("ext-only", [(k, payload(k, BLOCK), BLOCK, r.n_staging + i, 0)
-                         for i, k in enumerate(keys_of("ext2", 2))])
+    r.store("ext", [(k, payload(k, BLOCK), BLOCK, r.n_staging + i, 0)
+                    for i, k in enumerate(ext_keys)])
     assert r.wait(30)
-    kinds = [(rid, kind) for rid, kind, _ in seen]
-    assert kinds[:2] == [("staging", "store_copied"), ("staging", "store")]
-    ack = next(p for rid, kind, p in seen if (rid, kind) == ("staging", "store_copied"))
-    assert not all(ack[:5])  # acknowledged before every staging write was published
-    mixed = [(kind, p) for rid, kind, p in seen if rid == "mixed"]
-    assert [k for k, _ in mixed][-1] == "store"
-    for kind, p in mixed:
-        if kind == "store_copied":
-            assert all(p[5:])  # caller-slot items were written before the ack
-    # only caller-owned slots: nothing to acknowledge early
-    assert [kind for rid, kind, _ in seen if rid == "ext-only"] == ["store"]
+    assert [(rid, kind) for rid, kind, _ in seen] == [
+        ("staging", "store_copied"), ("staging", "store"), ("ext", "store_copied"),
+        ("ext", "store")]
+    assert not all(seen[0][2][:5])  # acknowledged before every staging file was published
+    assert not all(seen[2][2][5:])  # ... and before every caller-slot file was
     for k in keys + ext_keys:
         assert lay.read_block(k) == payload(k, BLOCK)
     # and without the option nothing changes: one completion per request
     r2 = make_reactor(make_layout(), early_store_ack=False)
     store_all(r2, keys_of("plain", 4), req_id="plain")
     assert finish(r2)["plain"].kind == "store"
+
+
+def test_reused_caller_slot_waits_for_the_write_from_it(make_layout, make_reactor):
+    """After an early acknowledgement the caller may reuse a DRAM-tier slot while the
+    reactor still writes a file from it: a store or a disk load into that slot waits, so
+    the file holds the first key's bytes and the slot ends with the last key's."""
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=6, io_depth=2, external_slots=1, early_store_ack=True)
+    slot = r.n_staging
+    a, b, c = b"reuse-a", b"reuse-b", b"reuse-c"
+    lay.write_block(c, payload(c, BLOCK))  # C is on disk: loading it fills the slot
+    r.store("A", [(a, payload(a, BLOCK), BLOCK, slot, 0)])  # written through from the slot
+    r.store("B", [(b, payload(b, BLOCK), BLOCK, slot, 0)])  # reuses the slot at once
+    dest = sentinel_buf(BLOCK)
+    r.load("C", [(c, dest, BLOCK, slot, 0)])  # promotion into the same slot
+    assert r.wait(30)
+    kinds = {}
+    for comp in r.poll():
+        kinds.setdefault(comp.req_id, []).append(comp.kind)
+        if comp.kind != "store_copied":  # the early ack comes before the writes' outcome
+            assert all(comp.ok), comp
+    assert kinds["A"][-1] == kinds["B"][-1] == "store" and kinds["C"] == ["load"]
+    assert lay.read_block(a) == payload(a, BLOCK)  # verified: xxh3 of A's bytes
+    assert lay.read_block(b) == payload(b, BLOCK)
+    assert bytes(dest[:BLOCK]) == payload(c, BLOCK)
+    view = r.pool.views[slot]
+    assert bytes(view[HEADER_BYTES:HEADER_BYTES + BLOCK]) == payload(c, BLOCK)

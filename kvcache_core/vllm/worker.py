@@ -15,10 +15,11 @@ Slots: the reactor's pool is ``n_staging`` reactor-managed staging slots followe
 that job (reactor side) until the job completes; then the worker may zero the header of
 a slot whose load failed, so an invalid slot can never be served as a DRAM hit.
 
-Store jobs are reported to vLLM when their device copies are done and their DRAM-tier
-items are written (the reactor's ``early_store_ack``): vLLM then may reuse the GPU
-blocks, while staging-slot items are still being written to disk. A key whose write later
-fails is simply not on disk (a later lookup misses).
+Store jobs are reported to vLLM when their device copies are done (the reactor's
+``early_store_ack``): vLLM then may reuse the GPU blocks, and the scheduler the job's
+DRAM-tier slots, while the files are still being written (the reactor makes a later task
+that would overwrite such a slot wait for the write). A key whose write later fails is
+simply not on disk (a later lookup misses).
 
 Failures: vLLM asserts that every ``TransferResult`` succeeds, so every job is reported
 successful; the GPU blocks of chunks that failed to load are reported through
