@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU measurements behind docs/results/h200/ (one H200, vLLM 0.26.0 runtime staged
 # with ../shared/gpu/stage.sh). Each step is one device call of at most 10 minutes;
-# results accumulate in $RES (kept while the machine is held) and are copied to $OUT.
+# results accumulate in $RES (kept while the machine is held) and go to $OUT as one
+# archive, res-<step>-<model>.tgz.
 # Every step resumes: configurations already in the result JSON are skipped.
 #
 #   bash scripts/h200_runs.sh longdoc llama-3.2-3b   # issue 3: 5 configs, conc 1, 1k-64k
 #   bash scripts/h200_runs.sh gate    llama-3.2-3b   # issue 5: table from the run, gate on
 #   bash scripts/h200_runs.sh preload llama-3.2-3b   # issue 4: queued disk hits, preload on/off
+#   bash scripts/h200_runs.sh trace   llama-3.2-3b   # what the reactor did during each TTFT
 set -euo pipefail
 STEP=${1:?step: longdoc|gate|preload}
 M=${2:?model: llama-3.2-3b|llama-3.1-8b}
@@ -35,6 +37,13 @@ case "$STEP" in
       --fresh-frac 0.25 --concurrency 16 --gpu-blocks 10496 --workload mixed \
       --configs kvcache_nopreload,kvcache_preload,native_fs \
       --preload-json "$RES/preload-$M.json" ;;
+  trace)
+    # diagnostics: per request, the reactor's events inside its TTFT window
+    "${B[@]}" --json "$RES/trace-run-$M.json" --tokens 1024,4096,16384 \
+      --configs recompute,kvcache_dram,kvcache_disk --trace "$RES/trace-$M"
+    python3 scripts/trace_report.py "$RES/trace-$M" --json "$RES/trace-report-$M.json" \
+      > "$RES/trace-report-$M.txt" ;;
   *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac
-cp -r "$RES"/*.json "$RES"/*.md "$RES"/*.png "$OUT"/ 2>/dev/null || true
+# one archive: the device tool brings back only a few files per call
+tar czf "$OUT/res-$STEP-$M.tgz" -C "$RES" --exclude=./out . || true

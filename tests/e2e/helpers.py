@@ -155,9 +155,24 @@ def manager(llm):
     return scheduler_connector(llm).connector_scheduler.manager
 
 
+def _settle_worker(worker) -> Any:
+    """Runs in every worker process (``collective_rpc``): wait until the reactor has no
+    I/O in flight (store jobs are acknowledged once copied; their files follow), then
+    hand over the worker's report as the next engine step would."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group()._our_worker()
+    if w is None:
+        return None
+    if not w.reactor.wait(60):
+        raise TimeoutError("reactor I/O still in flight")
+    return w.take_report()
+
+
 def drain(llm, timeout: float = 60.0) -> None:
-    """Step the engine until the connector has no job in flight (stores of the last
-    request complete and are reported), as a serving engine's busy loop would."""
+    """Step the engine until the connector has no job in flight, then let every worker's
+    writes finish and deliver their counters to the scheduler (what later engine steps
+    of a serving engine would do)."""
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     end = time.monotonic() + timeout
     while sched.has_requests():
@@ -165,6 +180,10 @@ def drain(llm, timeout: float = 60.0) -> None:
             raise TimeoutError("connector jobs still pending")
         llm.llm_engine.step()
         time.sleep(0.002)
+    m = manager(llm)
+    for rep in llm.collective_rpc(_settle_worker):
+        if rep is not None:
+            m.on_worker_report(*rep)
 
 
 def shutdown(llm) -> None:
