@@ -27,7 +27,8 @@ case "$STEP" in
     "${B[@]}" --json "$RES/longdoc-$M.json" \
       --configs recompute,kvcache_dram,native_cpu,kvcache_disk,native_fs ;;
   gate)
-    "${B[@]}" --json "$RES/longdoc-$M.json" --configs kvcache_dram_gate,kvcache_disk_gate \
+    "${B[@]}" --json "$RES/longdoc-$M.json" \
+      --configs kvcache_dram_gate,kvcache_disk_gate,recompute_cold \
       --gate-table auto --gate-json "$RES/gate-$M.json" ;;
   preload)
     # 40k-token documents; the GPU KV cache capped at 4 such requests so the rest queue

@@ -54,6 +54,18 @@ def test_gate_rows_and_checks():
     assert chk[("disk", 65536)]["ok"] and chk[("dram", 65536)]["ok"]
 
 
+def test_disk_rows_use_the_cold_process_recompute_when_measured():
+    run = dict(RUN, results=RUN["results"] + [
+        _row("recompute_cold", 1024, 0.02, 0.03, 0.04),
+        _row("recompute_cold", 65536, 2.0, 2.0, 2.1)])
+    rows = G.gate_rows(run)
+    assert {"config": "recompute", "source": "disk", "tokens": 1024, "ttft_s": 0.04} in rows
+    chk = {(c["source"], c["tokens"]): c for c in G.checks(rows)}
+    assert chk[("disk", 1024)]["best_s"] == pytest.approx(0.04)  # like for like
+    assert chk[("disk", 1024)]["ratio"] == pytest.approx(0.75)
+    assert chk[("dram", 1024)]["best_s"] == pytest.approx(0.02)  # warm recompute
+
+
 def test_write_gate_files(tmp_path):
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"version": 1, "tiers": {"dram": {"min_prefix_tokens": 0},

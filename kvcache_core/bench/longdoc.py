@@ -14,6 +14,10 @@ all in one run, each engine in its own process group:
   kvcache_disk_gate / kvcache_dram_gate
                 the same with the break-even gate on (``--gate-table``; ``auto`` fits the
                 table from this run's recompute / kvcache_dram / kvcache_disk rows first)
+  recompute_cold
+                no connector, but measured like the disk configurations (first access in
+                a fresh process after dropping the page cache): the like-for-like baseline
+                of a refused disk hit
   kvcache_preload / kvcache_nopreload
                 py-kvcache with scheduler preload on (preload_lookahead from
                 ``--preload-lookahead``; needs the patched vLLM) / off (preload_lookahead 0);
@@ -54,10 +58,11 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL_CONFIGS = ["recompute", "native_cpu", "native_fs", "kvcache_disk", "kvcache_dram",
-               "kvcache_disk_gate", "kvcache_dram_gate", "kvcache_preload", "kvcache_nopreload"]
+               "kvcache_disk_gate", "kvcache_dram_gate", "kvcache_preload", "kvcache_nopreload",
+               "recompute_cold"]
 BASE_CONFIGS = ALL_CONFIGS[:5]
 COLD_PROCESS = {"native_fs", "kvcache_disk", "kvcache_disk_gate", "kvcache_preload",
-                "kvcache_nopreload"}
+                "kvcache_nopreload", "recompute_cold"}
 GATE_OF = {"kvcache_disk_gate": "disk", "kvcache_dram_gate": "dram"}
 
 
@@ -85,7 +90,7 @@ def docs_for(tokens: int, n: int, seed: int) -> list[list[int]]:
 
 def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
     block = {"block_size": 256}
-    if cfg == "recompute":
+    if cfg in ("recompute", "recompute_cold"):
         return None
     if cfg == "native_cpu":
         extra = {**block, "cpu_bytes_to_use": int(doc_bytes * args.docs * 1.3)}
