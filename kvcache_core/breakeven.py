@@ -140,8 +140,11 @@ def fit_from_longdoc(run: dict[str, Any]) -> BreakevenTable:
                          "recompute_s": rec[r["tokens"]]})
         if pts:
             th[tier] = _crossing(sorted(pts))
+    # runs older than the block_size / dtype fields used 256-token bf16 blocks
     return BreakevenTable(gpu=str(run.get("gpu") or run.get("machine", "")),
                           model=str(run.get("model", "")), thresholds=th,
+                          dtype=str(run.get("dtype") or "bfloat16"),
+                          block_size=int(run.get("block_size") or 256),
                           bandwidths={"disk_read_gbps": run.get("disk_read_gbps"),
                                       "pcie_h2d_gbps": run.get("pcie_h2d_gbps")},
                           measurements=meas, source="bench_longdoc (prefix ratio 1)")

@@ -176,8 +176,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             return 2
         run = _calibrate_measure(args)
     table = fit_from_longdoc(run)
-    table.block_size = table.block_size or 256
-    table.dtype = table.dtype or "bfloat16"
     if os.path.exists(args.out) and not args.force:
         old = load_table(args.out)
         if (old.model, old.gpu) != (table.model, table.gpu):

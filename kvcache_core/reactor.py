@@ -777,7 +777,7 @@ class Reactor:
             progressed = True
             if self.trace is not None:
                 self._trace("store_copied", t.req.req_id, t.idx)
-            self._source_done(t)
+            self._source_done(t, finishing=False)
             view = self.pool.views[t.slot]
             # The header goes in first, also for caller-owned (DRAM tier) slots that are not
             # written to disk: a retained slot is always self-describing and checkable.
@@ -887,13 +887,15 @@ class Reactor:
         name = f"{what}:{_errno.errorcode.get(-res, str(-res))}"
         self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
 
-    def _source_done(self, t: _Task) -> None:
-        """A store item no longer reads its source (copied, or ended before copying)."""
+    def _source_done(self, t: _Task, finishing: bool) -> None:
+        """A store item no longer reads its source (copied, or ``finishing`` before it
+        was copied). The early acknowledgement goes out only while items are left to
+        write (the last one finishing brings the usual completion instead)."""
         if not t.copied:
             t.copied = True
             req = t.req
             req.hold -= 1
-            if req.hold == 0 and req.remaining > 0:
+            if req.hold == 0 and req.remaining > finishing:
                 self._early_ack(req)
 
     def _early_ack(self, req: _Request) -> None:
@@ -903,23 +905,13 @@ class Reactor:
         if not self.early_store_ack or req.acked:
             return
         req.acked = True
-        c = Completion(req.req_id, "store_copied", list(req.ok), req.cancelled)
         if self.trace is not None:
             self._trace("ack_store", req.req_id, req.remaining)
-        self._done.append(c)
-        if self._on_complete is not None:
-            try:
-                self._on_complete(c)
-            except Exception:  # pragma: no cover - callback bug must not kill the reactor
-                log.exception("py-kvcache: completion callback failed")
+        self._publish(Completion(req.req_id, "store_copied", list(req.ok), req.cancelled))
 
     def _finish(self, t: _Task, ok: bool) -> None:
-        if t.kind == STORE and not t.copied:
-            req = t.req
-            req.hold -= 1
-            t.copied = True
-            if req.hold == 0 and req.remaining > 1:  # others still write: ack now
-                self._early_ack(req)
+        if t.kind == STORE:
+            self._source_done(t, finishing=True)
         ext_slot = t.xslot if t.xslot >= 0 and self._ext_owner.get(t.xslot) == t.tid else -1
         if t is self._spec_active:
             self._spec_active = None
@@ -958,17 +950,21 @@ class Reactor:
         if tr is not None and len(tr) < TRACE_MAX:
             tr.append((time.monotonic(), event, req_id, n))
 
-    def _complete(self, req: _Request) -> None:
-        c = Completion(req.req_id, "load" if req.kind == LOAD else "store", req.ok,
-                       req.cancelled)
-        if self.trace is not None:
-            self._trace("done_" + c.kind, req.req_id, len(req.ok))
+    def _publish(self, c: Completion) -> None:
+        """Hand a completion to the clients: :meth:`poll` and the ``on_complete`` hook."""
         self._done.append(c)
         if self._on_complete is not None:
             try:
                 self._on_complete(c)
             except Exception:  # pragma: no cover - callback bug must not kill the reactor
                 log.exception("py-kvcache: completion callback failed")
+
+    def _complete(self, req: _Request) -> None:
+        c = Completion(req.req_id, "load" if req.kind == LOAD else "store", req.ok,
+                       req.cancelled)
+        if self.trace is not None:
+            self._trace("done_" + c.kind, req.req_id, len(req.ok))
+        self._publish(c)
         with self._cv:
             self._outstanding -= 1
             self._cv.notify_all()

@@ -19,18 +19,20 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from kvcache_core.bench.common import run_cases, write_json_md  # noqa: E402
+
 CASES = {"no_busy_thread": (False, None), "busy_default_5ms": (True, None),
          "busy_reactor_0.5ms": (True, 0.0005)}
 
 
 def child(root: str, busy: bool, interval: float | None, repeats: int) -> dict:
-    sys.path.insert(0, REPO)
     from kvcache_core import Layout, Namespace, Reactor
     from kvcache_core.copy import Copier
 
@@ -99,13 +101,9 @@ def main() -> int:
         print(json.dumps(child(args.root, busy, interval, args.repeats)))
         return 0
     out = {"benchmark": "gil-contention", "machine": platform.node(),
-           "cores": os.cpu_count(), "python": platform.python_version(), "cases": {}}
-    for i, name in enumerate(CASES, 1):
-        print(f"[bench gil] [{i}/{len(CASES)}] {name}", file=sys.stderr, flush=True)
-        res = subprocess.run([sys.executable, __file__, "--child", name, "--root", args.root,
-                              "--repeats", str(args.repeats)], capture_output=True, text=True,
-                             check=True)
-        out["cases"][name] = json.loads(res.stdout.strip().splitlines()[-1])
+           "cores": os.cpu_count(), "python": platform.python_version(),
+           "cases": run_cases(__file__, list(CASES), ["--root", args.root, "--repeats",
+                                                       str(args.repeats)], "bench gil")}
     base = out["cases"]["no_busy_thread"]["gbps"]
     lines = [f"# Reactor vs a busy Python thread ({out['machine']}, {out['cores']} cores, "
              f"Python {out['python']})", "",
@@ -115,12 +113,7 @@ def main() -> int:
     for name, c in out["cases"].items():
         lines.append(f"| {name} | {c['switch_interval_s'] * 1000:.1f} ms | {c['gbps']:.2f} | "
                      f"{c['gbps'] / base:.2f} |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-    with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_json_md(args.json, out, lines)
     return 0
 
 

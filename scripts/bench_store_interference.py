@@ -30,11 +30,14 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from kvcache_core.bench.common import run_cases, write_json_md  # noqa: E402
+
 CASES = ("no_store", "store_disk", "store_dram", "store_disk_dram")
 
 
@@ -69,7 +72,6 @@ def _py_work(ms: float) -> None:
 
 
 def child(args, case: str) -> dict:
-    sys.path.insert(0, REPO)
     from kvcache_core import Layout, Namespace, Reactor
     from kvcache_core.copy import Copier
     from kvcache_core.reactor import NO_DISK
@@ -149,11 +151,7 @@ def main() -> int:
     passthru = ["--root", args.root, "--steps", str(args.steps), "--chunks-per-step",
                 str(args.chunks_per_step), "--block-mib", str(args.block_mib), "--py-ms",
                 str(args.py_ms), "--gpu-ms", str(args.gpu_ms), "--repeats", str(args.repeats)]
-    for i, name in enumerate(CASES, 1):
-        print(f"[bench interference] [{i}/{len(CASES)}] {name}", file=sys.stderr, flush=True)
-        res = subprocess.run([sys.executable, __file__, "--child", name, *passthru],
-                             capture_output=True, text=True, check=True)
-        out["cases"][name] = json.loads(res.stdout.strip().splitlines()[-1])
+    out["cases"] = run_cases(__file__, CASES, passthru, "bench interference")
     base = out["cases"]["no_store"]["prefill_s"]
     p = out["params"]
     lines = [f"# Store interference with a busy model-runner thread ({out['machine']}, "
@@ -166,12 +164,7 @@ def main() -> int:
     for name, c in out["cases"].items():
         lines.append(f"| {name} | {c['prefill_s']:.3f} | {c['prefill_s'] / base:.2f} | "
                      f"{c['bytes_written'] / 1e9:.2f} |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-    with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_json_md(args.json, out, lines)
     return 0
 
 

@@ -37,6 +37,8 @@ import statistics
 import sys
 from typing import Any
 
+from .common import save_loglog
+
 GATE_CFG = {("gate_off", "dram"): "kvcache_dram", ("gate_off", "disk"): "kvcache_disk",
             ("gate_on", "dram"): "kvcache_dram_gate", ("gate_on", "disk"): "kvcache_disk_gate"}
 BOUND = 1.05
@@ -226,16 +228,7 @@ def plot_bandwidth(run: dict, path: str) -> None:
         if eff:
             ax.axhline(eff, color="tab:green", ls="--",
                        label=f"DRAM tier, effective (hit bytes / hit TTFT) {eff:.1f} GB/s")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("document tokens")
-    ax.set_ylabel("GB/s")
-    ax.set_title(f"{run.get('model')} on {run.get('machine')}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_loglog(fig, ax, "GB/s", f"{run.get('model')} on {run.get('machine')}", path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,8 @@ import subprocess
 import sys
 import time
 
+from .common import save_loglog
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL_CONFIGS = ["recompute", "native_cpu", "native_fs", "kvcache_disk", "kvcache_dram",
                "kvcache_disk_gate", "kvcache_dram_gate", "kvcache_preload", "kvcache_nopreload",
@@ -64,6 +66,9 @@ BASE_CONFIGS = ALL_CONFIGS[:5]
 COLD_PROCESS = {"native_fs", "kvcache_disk", "kvcache_disk_gate", "kvcache_preload",
                 "kvcache_nopreload", "recompute_cold"}
 GATE_OF = {"kvcache_disk_gate": "disk", "kvcache_dram_gate": "dram"}
+#: Storage block of every offloading configuration, and the KV dtype the runs assume
+BLOCK_TOKENS = 256
+DTYPE = "bfloat16"
 
 
 def log(msg: str) -> None:
@@ -74,7 +79,7 @@ def kv_bytes_per_token(model_dir: str) -> int:
     with open(os.path.join(model_dir, "config.json")) as f:
         c = json.load(f)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2  # bf16
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2  # DTYPE
 
 
 VOCAB = 128000
@@ -89,7 +94,7 @@ def docs_for(tokens: int, n: int, seed: int) -> list[list[int]]:
 
 
 def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
-    block = {"block_size": 256}
+    block = {"block_size": BLOCK_TOKENS}
     if cfg in ("recompute", "recompute_cold"):
         return None
     if cfg == "native_cpu":
@@ -391,10 +396,8 @@ def _ensure_gate_table(args, results: list[dict], model_name: str) -> None:
 
     run = {"results": results + list(getattr(args, "_old_results", None) or []),
            "gpu": _gpu_name(), "model": model_name, "disk_read_gbps": args._disk,
-           "pcie_h2d_gbps": args._pcie}
+           "pcie_h2d_gbps": args._pcie, "block_size": BLOCK_TOKENS, "dtype": DTYPE}
     table = fit_from_longdoc(run)
-    table.block_size = 256
-    table.dtype = "bfloat16"
     out_dir = os.path.dirname(os.path.abspath(args.json or os.path.join(args.root, "x")))
     path = os.path.join(out_dir, f"breakeven-{model_name}.json")
     with open(path, "w") as f:
@@ -511,7 +514,8 @@ def save(args, results: list[dict], disk: float, pcie: float, kvb: int,
         r["disk_read_gbps"], r["pcie_h2d_gbps"] = disk, pcie
     out = {"machine": args.machine or _gpu_name(), "gpu": _gpu_name(), "model": model_name,
            "kv_bytes_per_token": kvb, "disk_read_gbps": disk, "pcie_h2d_gbps": pcie,
-           "docs": args.docs, "repeats": args.repeats, "results": list(results)}
+           "block_size": BLOCK_TOKENS, "dtype": DTYPE, "docs": args.docs,
+           "repeats": args.repeats, "results": list(results)}
     if args.append and args.json and os.path.exists(args.json):
         with open(args.json) as f:
             old = json.load(f)
@@ -672,16 +676,7 @@ def plot(out: dict, path: str) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=label)
     fl = sorted({(r["tokens"], r["disk_floor_s"]) for r in rows})
     ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="disk floor")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("document tokens")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title(f"{out['model']} on {out['machine']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_loglog(fig, ax, "TTFT (s)", f"{out['model']} on {out['machine']}", path)
 
 
 if __name__ == "__main__":
