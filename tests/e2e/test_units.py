@@ -316,6 +316,10 @@ def test_worker_load_failures_are_reported_and_slots_invalidated(worker):
     w.submit_store(1, GPULoadStoreSpec([1, 2, 3, 4, 5, 6], [6], [0]),
                    PyKVStoreSpec([k1, k2, k3], [0, 1, -1]))
     _run(w, 1)
+    # the job is acknowledged once copied (early_store_ack): let the files land first,
+    # as vLLM's manager only sees a disk hit once the file is published
+    assert w.reactor.wait(30)
+    assert w.layout.exists(k2) and w.layout.exists(k3)
     views = w.reactor.pool.views
     # 1. garbage in a DRAM slot (bad magic): refused, recomputed, never copied
     views[w.n_staging + 0][0] ^= 0xFF
