@@ -82,24 +82,85 @@ def load_table(path: str) -> BreakevenTable:
                           source=str(d.get("source", "")))
 
 
+#: Source tiers the gate sees: ``staged`` = disk blocks a preload already read into every
+#: worker's staging (queue-aware preload); they cost a host->device copy, like DRAM ones,
+#: so they use the DRAM tier's threshold but are counted apart.
+GATE_TIERS = (*TIERS, "staged")
+_THRESHOLD_OF = {"dram": "dram", "disk": "disk", "staged": "dram"}
+
+
 class Gate:
     """Accept or refuse a reusable prefix by its source tier (scheduler thread only)."""
 
     def __init__(self, table: BreakevenTable) -> None:
         self.table = table
         # a tier missing from the table is not gated (min 0)
-        self._min = {t: table.thresholds.get(t, 0) for t in TIERS}
-        self.counters = {f"gate_{a}_{t}": 0 for a in ("accepted", "refused") for t in TIERS}
+        self._min = {t: table.thresholds.get(_THRESHOLD_OF[t], 0) for t in GATE_TIERS}
+        self.counters = {f"gate_{a}_{t}": 0 for a in ("accepted", "refused")
+                         for t in GATE_TIERS}
 
     def never(self, tier: str) -> bool:
         """True if the table refuses every prefix from ``tier`` (threshold null)."""
         return self._min[tier] is None
 
-    def allows(self, tier: str, prefix_tokens: int) -> bool:
+    def passes(self, tier: str, prefix_tokens: int) -> bool:
+        """Whether a prefix of ``prefix_tokens`` from ``tier`` is worth loading (not
+        counted)."""
         m = self._min[tier]
-        ok = m is not None and prefix_tokens >= m
-        self.counters[f"gate_{'accepted' if ok else 'refused'}_{tier}"] += 1
+        return m is not None and prefix_tokens >= m
+
+    def count(self, tier: str, accepted: bool) -> None:
+        """Count one decision (the connector counts a request once, when it is
+        scheduled, not at every lookup of a request that keeps waiting)."""
+        self.counters[f"gate_{'accepted' if accepted else 'refused'}_{tier}"] += 1
+
+    def allows(self, tier: str, prefix_tokens: int) -> bool:
+        """:meth:`passes`, counted as accepted / refused for ``tier``."""
+        ok = self.passes(tier, prefix_tokens)
+        self.count(tier, ok)
         return ok
+
+
+class QueueModel:
+    """Expected queueing time against preload read time (queue-aware preload, R9 item 4).
+
+    ``recompute_s(tokens)``: the table's measured recompute TTFT, linear between the
+    measured sizes and proportional beyond them (per-token cost of the nearest end).
+    ``read_s(nbytes)``: bytes over the table's disk read bandwidth. ``worth(ahead_s,
+    queued_bytes)``: a request whose predecessors in the queue take ``ahead_s`` to compute
+    gets its blocks staged in time if the reads queued before and for it
+    (``queued_bytes``, read one at a time) finish first. Pure arithmetic; scheduler thread.
+    """
+
+    def __init__(self, table: BreakevenTable) -> None:
+        pts: dict[int, float] = {}
+        for m in table.measurements:
+            t, r = m.get("tokens"), m.get("recompute_s")
+            if isinstance(t, int) and t > 0 and isinstance(r, (int, float)) and r > 0:
+                pts[t] = r
+        if not pts:
+            raise ValueError("the break-even table has no recompute measurements")
+        self._pts = sorted(pts.items())
+        bw = (table.bandwidths or {}).get("disk_read_gbps")
+        if not isinstance(bw, (int, float)) or bw <= 0:
+            raise ValueError("the break-even table has no disk_read_gbps bandwidth")
+        self._bps = float(bw) * 1e9
+
+    def recompute_s(self, tokens: int) -> float:
+        pts = self._pts
+        if tokens <= pts[0][0]:
+            return pts[0][1] * tokens / pts[0][0]
+        for (d0, y0), (d1, y1) in zip(pts, pts[1:], strict=False):
+            if tokens <= d1:
+                return y0 + (y1 - y0) * (tokens - d0) / (d1 - d0)
+        d, y = pts[-1]
+        return y * tokens / d
+
+    def read_s(self, nbytes: int) -> float:
+        return nbytes / self._bps
+
+    def worth(self, ahead_s: float, queued_bytes: int) -> bool:
+        return ahead_s >= self.read_s(queued_bytes)
 
 
 def _crossing(points: list[tuple[int, float]]) -> int | None:

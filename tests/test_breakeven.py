@@ -11,6 +11,7 @@ import pytest
 from kvcache_core.breakeven import (
     BreakevenTable,
     Gate,
+    QueueModel,
     _crossing,
     fit_from_longdoc,
     load_table,
@@ -47,6 +48,30 @@ def test_table_round_trip_and_gate(tmp_path):
     assert not g.allows("disk", 10**9)
     assert g.counters["gate_accepted_dram"] == 1 and g.counters["gate_refused_dram"] == 1
     assert g.counters["gate_refused_disk"] == 1
+    # staged blocks (queue-aware preload) use the DRAM threshold, counted apart
+    assert g.passes("staged", 1000) and not g.passes("staged", 999)
+    g.count("staged", True)
+    assert g.counters["gate_accepted_staged"] == 1 and g.counters["gate_accepted_dram"] == 1
+
+
+def test_queue_model_interpolates_recompute_and_compares_reads():
+    t = BreakevenTable(gpu="g", model="m", thresholds={"dram": 0, "disk": None},
+                       bandwidths={"disk_read_gbps": 2.0},
+                       measurements=[{"tier": "dram", "tokens": 1000, "recompute_s": 0.1},
+                                     {"tier": "disk", "tokens": 1000, "recompute_s": 0.1},
+                                     {"tier": "dram", "tokens": 3000, "recompute_s": 0.5}])
+    q = QueueModel(t)
+    assert q.recompute_s(500) == pytest.approx(0.05)  # proportional below the first size
+    assert q.recompute_s(2000) == pytest.approx(0.3)  # linear between sizes
+    assert q.recompute_s(6000) == pytest.approx(1.0)  # proportional beyond the last
+    assert q.read_s(10**9) == pytest.approx(0.5)
+    assert q.worth(0.5, 10**9) and not q.worth(0.49, 10**9)
+    with pytest.raises(ValueError, match="recompute"):
+        QueueModel(BreakevenTable(gpu="g", model="m", thresholds={},
+                                  bandwidths={"disk_read_gbps": 2.0}))
+    with pytest.raises(ValueError, match="disk_read_gbps"):
+        QueueModel(BreakevenTable(gpu="g", model="m", thresholds={},
+                                  measurements=t.measurements))
 
 
 @pytest.mark.parametrize("content,msg", [

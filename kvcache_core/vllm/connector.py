@@ -57,24 +57,28 @@ class PyKVCacheWorkerMetadata(OffloadingWorkerMetadata):
     """vLLM's worker -> scheduler metadata plus failed keys and counter deltas.
 
     ``aggregate`` (vLLM's KVOutputAggregator, across TP workers) unions the failed keys
-    and sums the counters.
+    and sums the counters and the per-key count of ranks that staged a preloaded key.
     """
 
     failed_keys: set[bytes] = field(default_factory=set)
     counters: dict[str, int] = field(default_factory=dict)
+    staged: dict[bytes, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         base = OffloadingWorkerMetadata.aggregate(self, other)
         assert isinstance(base, OffloadingWorkerMetadata)
         failed = set(self.failed_keys)
         counters = dict(self.counters)
+        staged = dict(self.staged)
         if isinstance(other, PyKVCacheWorkerMetadata):
             failed |= other.failed_keys
             for k, v in other.counters.items():
                 counters[k] = counters.get(k, 0) + v
+            for k, v in other.staged.items():
+                staged[k] = staged.get(k, 0) + v
         return PyKVCacheWorkerMetadata(completed_jobs=base.completed_jobs,
                                        transfer_stats=base.transfer_stats,
-                                       failed_keys=failed, counters=counters)
+                                       failed_keys=failed, counters=counters, staged=staged)
 
 
 def _full_attention(spec: KVCacheSpec) -> bool:
@@ -104,6 +108,53 @@ def load_gate(path: str, vllm_config: VllmConfig) -> Any:
     log.info("py-kvcache: break-even gate from %s: min prefix tokens %s", path,
              table.thresholds)
     return Gate(table)
+
+
+def _queue_model(gate: Any, path: str) -> Any:
+    """The queue model of the gate's table, or None (one warning) if the table lacks the
+    recompute times or the disk bandwidth it needs."""
+    from ..breakeven import QueueModel
+
+    try:
+        return QueueModel(gate.table)
+    except ValueError as e:
+        log.warning("py-kvcache: queue_aware_preload is off: %s (%s); run `kvcache "
+                    "calibrate`", e, path)
+        return None
+
+
+class _QueueAdmission:
+    """One scheduler step's queue-aware preload decision (``admit`` of
+    :meth:`PyKVCacheManager.plan_preloads`), over the waiting requests in scheduling order.
+
+    A request whose disk prefix the gate would load on demand is always preloaded (as
+    without the gate). Otherwise it is preloaded only if the requests ahead of it in this
+    window, plus what the scheduled requests still have to prefill (``running_s``), take at
+    least as long to compute (``QueueModel.recompute_s``) as the reads
+    queued up to and including its own (``QueueModel.read_s``): then its blocks are likely
+    staged when it is scheduled, and the gate takes them as ``staged``.
+    """
+
+    def __init__(self, gate: Any, model: Any, key_bytes: int, tokens_per_chunk: int,
+                 running_s: float = 0.0) -> None:
+        self.gate, self.model = gate, model
+        self.key_bytes, self.tpc = key_bytes, tokens_per_chunk
+        self.ahead_s = running_s
+        self.queued = 0
+
+    def __call__(self, req: Any, n_keys: int) -> bool:
+        ahead = self.ahead_s
+        self.ahead_s += self.model.recompute_s(max(0, req.num_tokens - req.num_computed_tokens))
+        if n_keys == 0:
+            return True
+        if self.gate.passes("disk", n_keys * self.tpc):
+            self.queued += n_keys * self.key_bytes
+            return True
+        need = self.queued + n_keys * self.key_bytes
+        if not self.model.worth(ahead, need):
+            return False
+        self.queued = need
+        return True
 
 
 def prepare_vllm_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
@@ -160,12 +211,23 @@ class OffloadingConnector(_VllmOffloadingConnector):
         self._preload_plan: list[bytes] = []
         super().__init__(vllm_config, role, kv_cache_config)
         self.gate = None
+        #: queue-aware preload (breakeven.QueueModel), None when off
+        self.queue_model = None
+        #: queue-aware preload: scheduled requests still in prefill (req id -> request)
+        self._prefilling: dict[str, Any] = {}
+        #: the gate's last decision per waiting request, counted once it is scheduled
+        self._gate_decisions: dict[str, tuple[tuple[str, bool], ...]] = {}
         if role == KVConnectorRole.SCHEDULER and opts.breakeven_table:
             self.gate = load_gate(opts.breakeven_table, vllm_config)
             manager = getattr(self.connector_scheduler, "manager", None)
             if self.gate is not None and manager is not None:
                 manager.extra_counters = self.gate.counters  # reported with the stats
-                if self.gate.never("disk"):
+                if opts.queue_aware_preload:
+                    self.queue_model = _queue_model(self.gate, opts.breakeven_table)
+                if self.queue_model is not None:
+                    log.info("py-kvcache: queue-aware preload on: disk prefixes the gate "
+                             "refuses on demand are preloaded when the queue leaves time")
+                elif self.gate.never("disk"):
                     # Disk loads are always refused on this node: writing files would only
                     # slow the requests that store (and preloading them is wasted I/O).
                     manager.disk_stores = False
@@ -187,8 +249,22 @@ class OffloadingConnector(_VllmOffloadingConnector):
         n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not n:
             return n, load_async
-        if self.gate.allows(manager.lookup_tier(), num_computed_tokens + n):
+        gate, rid = self.gate, request.request_id
+        tier = manager.lookup_tier()
+        if gate.passes(tier, num_computed_tokens + n):
+            self._gate_decisions[rid] = ((tier, True),)
             return n, load_async
+        # Refused because part of the prefix must come from disk: the leading chunks that
+        # are in the DRAM tier or staged by a preload may still be worth loading alone.
+        fast, fast_tier = manager.lookup_fast_chunks()
+        groups = cs.config.kv_group_configs
+        if fast and len(groups) == 1:
+            tpc = groups[0].tokens_per_chunk
+            m = tpc * (num_computed_tokens // tpc + fast) - num_computed_tokens
+            if 0 < m < n and gate.passes(fast_tier, num_computed_tokens + m):
+                self._gate_decisions[rid] = ((tier, False), (fast_tier, True))
+                return m, True
+        self._gate_decisions[rid] = ((tier, False),)
         return 0, False
 
     # ------------------------------------------------------------------ preload
@@ -198,8 +274,48 @@ class OffloadingConnector(_VllmOffloadingConnector):
         manager = getattr(cs, "manager", None) if cs is not None else None
         if manager is None or not hasattr(manager, "plan_preloads"):
             return
+        admit = None
+        if self.queue_model is not None:
+            admit = _QueueAdmission(self.gate, self.queue_model, manager.key_bytes,
+                                    cs.config.kv_group_configs[0].tokens_per_chunk,
+                                    self._prefill_left_s())
         self._preload_plan += manager.plan_preloads(requests, cs.config.kv_group_configs,
-                                                    self._preload_max)
+                                                    self._preload_max, admit)
+
+    def _prefill_left_s(self) -> float:
+        """Expected compute time left of the scheduled requests still in prefill (the
+        queue-aware estimate of how long the head of the queue still waits)."""
+        m, left, done = self.queue_model, 0.0, []
+        for rid, r in self._prefilling.items():
+            n, c = r.num_prompt_tokens, r.num_computed_tokens
+            if c >= n:
+                done.append(rid)
+                continue
+            left += m.recompute_s(n) - m.recompute_s(c)
+        for rid in done:
+            del self._prefilling[rid]
+        return left
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> Any:
+        if self.queue_model is not None:
+            self._prefilling[request.request_id] = request
+        if self._gate_decisions:
+            for tier, ok in self._gate_decisions.pop(request.request_id, ()):
+                self.gate.count(tier, ok)
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _forget(self, request: Any) -> None:
+        self._prefilling.pop(request.request_id, None)
+        self._gate_decisions.pop(request.request_id, None)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> Any:
+        self._forget(request)
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        self._forget(request)
+        return super().request_finished_all_groups(request, block_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
@@ -245,14 +361,15 @@ class OffloadingConnector(_VllmOffloadingConnector):
         if w is None:
             return meta
         failed, counters = w.take_report()
-        if meta is None and not failed and not counters:
+        staged = dict.fromkeys(w.take_staged(), 1)
+        if meta is None and not failed and not counters and not staged:
             return None
         if meta is None:
             meta = OffloadingWorkerMetadata()
         assert isinstance(meta, OffloadingWorkerMetadata)
         return PyKVCacheWorkerMetadata(completed_jobs=meta.completed_jobs,
                                        transfer_stats=meta.transfer_stats,
-                                       failed_keys=failed, counters=counters)
+                                       failed_keys=failed, counters=counters, staged=staged)
 
     # ------------------------------------------------------------------ scheduler role
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -261,5 +378,5 @@ class OffloadingConnector(_VllmOffloadingConnector):
         if isinstance(meta, PyKVCacheWorkerMetadata) and cs is not None:
             on_report = getattr(cs.manager, "on_worker_report", None)
             if on_report is not None:
-                on_report(meta.failed_keys, meta.counters)
+                on_report(meta.failed_keys, meta.counters, meta.staged)
         super().update_connector_output(connector_output)

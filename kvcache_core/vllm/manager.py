@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import (
@@ -75,6 +75,10 @@ MANAGER_COUNTERS: dict[str, str] = {
     "load_failures": "Chunk loads that failed (missing/corrupt file or invalid DRAM "
     "slot); vLLM recomputed them.",
     "preloads_planned": "Disk blocks of waiting requests sent to the workers for preload.",
+    "hits_staged": "Lookups of disk blocks that every worker reported staged by a preload "
+    "(queue-aware preload: gated as DRAM-tier blocks; not counted in hits_disk).",
+    "preloads_skipped_queue": "Waiting requests whose short disk prefix was not preloaded "
+    "because their expected queueing time would not cover the read (queue-aware preload).",
 }
 #: Counters reported by the workers (summed over ranks).
 WORKER_COUNTERS: dict[str, str] = {
@@ -102,6 +106,10 @@ WORKER_COUNTERS: dict[str, str] = {
 METRIC_PREFIX = "vllm:pykvcache_"
 #: seconds a block that failed to load stays a miss (then it may be tried again)
 BAD_KEY_TTL_S = 60.0
+#: seconds a worker's "staged" report is believed (the reactor may reclaim an unclaimed
+#: preload slot for foreground work; a load then reads the disk, correct but slower)
+STAGED_TTL_S = 30.0
+STAGED_MAX = 65536
 BAD_KEYS_MAX = 65536
 
 
@@ -142,8 +150,21 @@ class PyKVCacheManager(OffloadingManager):
         # keys recently planned for preload (bounded LRU): never planned twice in a row
         self._planned: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
         self._planned_cap = 8192
+        #: worker ranks (one namespace each) whose reports make up one step's aggregated
+        #: metadata: a block counts as staged once that many ranks reported it
+        self.n_ranks = len(self.disk)
+        # keys preloaded into staging on every rank -> until when that is believed
+        self._staged: collections.OrderedDict[OffloadKey, float] = collections.OrderedDict()
+        self._lookup_staged = False
+        self._lookup_fast = 0
+        self._lookup_fast_staged = False
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def key_bytes(self) -> int:
+        """Bytes a key's files hold over all ranks (what reading it from disk costs)."""
+        return sum(d.ns.file_bytes for d in self.disk)
+
     def _on_disk(self, key: OffloadKey) -> bool:
         return all(d.exists(key) for d in self.disk)
 
@@ -178,11 +199,30 @@ class PyKVCacheManager(OffloadingManager):
     def begin_lookup(self) -> None:
         """The connector starts one request's lookups (break-even gate bookkeeping)."""
         self._lookup_disk = False
+        self._lookup_staged = False
+        self._lookup_fast = 0
+        self._lookup_fast_staged = False
+
+    def lookup_fast_chunks(self) -> tuple[int, str]:
+        """(hit chunks since :meth:`begin_lookup` before the first one that must come from
+        disk, their tier ``staged`` if any was staged by a preload else ``dram``): the part
+        of the prefix that a gate refusing the disk tier may still load."""
+        return self._lookup_fast, "staged" if self._lookup_fast_staged else "dram"
+
+    def _is_staged(self, key: OffloadKey) -> bool:
+        until = self._staged.get(key)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._staged[key]
+        return False
 
     def lookup_tier(self) -> str:
         """Source tier of the lookups since :meth:`begin_lookup`: ``disk`` if any hit chunk
-        must come from disk, else ``dram``."""
-        return "disk" if self._lookup_disk else "dram"
+        must come from disk, else ``staged`` if any was preloaded into staging, else
+        ``dram``."""
+        return "disk" if self._lookup_disk else "staged" if self._lookup_staged else "dram"
 
     def _is_bad(self, key: OffloadKey) -> bool:
         until = self._bad.get(key)
@@ -214,7 +254,8 @@ class PyKVCacheManager(OffloadingManager):
                 return
 
     def plan_preloads(self, requests: Sequence[Any], group_configs: Sequence[Any],
-                      max_blocks: int) -> list[OffloadKey]:
+                      max_blocks: int,
+                      admit: Callable[[Any, int], bool] | None = None) -> list[OffloadKey]:
         """Disk blocks of the waiting ``requests`` (scheduling order) worth reading ahead.
 
         Per request and KV group, walks the chunk keys in prefix order: DRAM-resident
@@ -222,15 +263,23 @@ class PyKVCacheManager(OffloadingManager):
         on disk (vLLM's lookup stops there too, so later chunks would never be used), and
         keys planned recently are not planned again. At most ``max_blocks`` keys per call;
         the worker's reactor still runs ONE speculative read at a time, below foreground
-        work. Scheduler thread only.
+        work. ``admit(request, n_new_keys)`` (queue-aware preload) is asked once per
+        request, in order, with the number of keys planned for it; False drops them.
+        Scheduler thread only.
         """
         out: list[OffloadKey] = []
         planned = self._planned
         for req in requests:
+            start = len(out)
             for g in group_configs:
                 self._plan_prefix(req.block_hashes, g, out, max_blocks)
                 if len(out) >= max_blocks:
                     break
+            if admit is not None and not admit(req, len(out) - start):
+                for key in out[start:]:
+                    planned.pop(key, None)
+                del out[start:]
+                self.counters["preloads_skipped_queue"] += 1
             if len(out) >= max_blocks:
                 break
         while len(planned) > self._planned_cap:
@@ -250,8 +299,17 @@ class PyKVCacheManager(OffloadingManager):
             return LookupResult.MISS
         if self.dram is not None and self.dram.lookup(key) >= 0:
             self.counters["hits_dram"] += 1
+            if not self._lookup_disk:
+                self._lookup_fast += 1
             return LookupResult.HIT
         if self._on_disk(key):
+            if self._staged and self._is_staged(key):
+                self.counters["hits_staged"] += 1
+                self._lookup_staged = True
+                if not self._lookup_disk:
+                    self._lookup_fast += 1
+                    self._lookup_fast_staged = True
+                return LookupResult.HIT
             self.counters["hits_disk"] += 1
             self._lookup_disk = True
             return LookupResult.HIT
@@ -278,7 +336,10 @@ class PyKVCacheManager(OffloadingManager):
                     if slot >= 0:
                         recs[i] = (slot, "promote")
         slots, flags = [], []
+        staged = self._staged
         for key, rec in zip(keys, recs, strict=True):
+            if staged:
+                staged.pop(key, None)  # claimed now (the worker serves it from staging)
             how = rec[1]
             self.counters["loads_dram" if how == "pin" else "loads_disk"] += 1
             if how == "promote":
@@ -390,11 +451,23 @@ class PyKVCacheManager(OffloadingManager):
         self._loading.clear()
         self._loading_refs.clear()
         self._failed.clear()
+        self._staged.clear()
 
     # ------------------------------------------------------------------ worker reports
-    def on_worker_report(self, failed_keys: Iterable[bytes], counters: dict[str, int]) -> None:
-        """Failed chunk keys and counter deltas from the workers (called by the connector
-        before vLLM processes the same step's job completions)."""
+    def on_worker_report(self, failed_keys: Iterable[bytes], counters: dict[str, int],
+                         staged: Mapping[bytes, int] | None = None) -> None:
+        """Failed chunk keys, counter deltas and preloaded keys (key -> number of ranks
+        that staged it) from the workers (called by the connector before vLLM processes
+        the same step's job completions)."""
+        if staged:
+            until = time.monotonic() + STAGED_TTL_S
+            for k, n in staged.items():
+                if n >= self.n_ranks:
+                    key = OffloadKey(k)
+                    self._staged[key] = until
+                    self._staged.move_to_end(key)
+            while len(self._staged) > STAGED_MAX:
+                self._staged.popitem(last=False)
         failed_keys = [OffloadKey(k) for k in failed_keys]
         if self._events_on and failed_keys:
             self._events.append(OffloadingEvent(failed_keys, self.medium, True))
@@ -405,6 +478,7 @@ class PyKVCacheManager(OffloadingManager):
             # still there (e.g. a device-copy failure): never a load/fail/recompute loop.
             self._bad[key] = now + BAD_KEY_TTL_S
             self._bad.move_to_end(key)
+            self._staged.pop(key, None)
             if self._loading_refs.get(key):
                 self._failed.add(key)
             else:

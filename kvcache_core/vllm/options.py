@@ -39,7 +39,7 @@ VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk
                               "offload_prompt_only", "self_describing_kv_events")
 #: Keys of the vLLM glue itself (not storage-engine keys).
 GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookahead",
-                               "preload_max_blocks", "breakeven_table")
+                               "preload_max_blocks", "breakeven_table", "queue_aware_preload")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY,)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
@@ -67,6 +67,13 @@ GLUE_KEY_HELP: dict[str, str] = {
     "disk tier never wins also turns disk writes and preloads off (the DRAM tier still "
     "stores). Missing file or a table of another model: one warning, no gating. Unset: no "
     "gating.",
+    "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
+    "that is too short (or on a disk too slow) to win when read on demand, if its expected "
+    "queueing time (the table's recompute times of the requests ahead) covers the read "
+    "(the table's disk bandwidth). When it is scheduled, the blocks every worker reports "
+    "staged count as DRAM-tier blocks for the gate; the rest is recomputed. Keeps disk "
+    "writes on where the table's disk tier never wins. Default false (not yet measured to "
+    "win on a GPU).",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -87,6 +94,7 @@ class VllmOptions:
     preload_lookahead: int = 4
     preload_max_blocks: int = 64
     breakeven_table: str | None = None
+    queue_aware_preload: bool = False
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -145,10 +153,17 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     bt = ex.get("breakeven_table")
     if bt is not None:
         _need(isinstance(bt, str) and bt != "", "breakeven_table", "must be a file path", bt)
+    qa = ex.get("queue_aware_preload", False)
+    _need(isinstance(qa, bool), "queue_aware_preload", "must be true or false", qa)
+    if qa and bt is None:
+        raise ConfigError("py-kvcache config key 'queue_aware_preload': needs "
+                          "'breakeven_table' (the decision uses its recompute times and "
+                          "disk bandwidth)")
     return VllmOptions(storage=storage, explicit_block_size="block_size" in d,
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
                        load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
-                       preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt)
+                       preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt,
+                       queue_aware_preload=qa)
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:

@@ -110,6 +110,10 @@ class PyKVCacheWorker(OffloadingWorker):
         self._reported: dict[str, int] = {}
         self._closed = False
         self._preload_seq = 0
+        #: preload request id -> its keys, until the reactor reports it
+        self._preloads: dict[tuple[str, int], list[bytes]] = {}
+        #: keys a preload staged since the last :meth:`take_staged`
+        self._staged_keys: list[bytes] = []
         # Diagnostics (model-runner thread only): seconds this thread spent inside our
         # calls, and the submit -> completion latency of load jobs. Plain float adds.
         self.timing = {"main_submit_store_s": 0.0, "main_submit_load_s": 0.0,
@@ -182,14 +186,19 @@ class PyKVCacheWorker(OffloadingWorker):
         if not keys:
             return
         self._preload_seq += 1
-        self.reactor.load(("preload", self._preload_seq), [(k, None, 0) for k in keys],
-                          Priority.SPECULATIVE)
+        rid = ("preload", self._preload_seq)
+        self._preloads[rid] = keys
+        self.reactor.load(rid, [(k, None, 0) for k in keys], Priority.SPECULATIVE)
 
     # ------------------------------------------------------------------ completions
     def _drain(self) -> None:
         for c in self.reactor.poll():
             job = self._jobs.pop(c.req_id, None)
-            if job is None:  # the final "store" of a job acknowledged at "store_copied"
+            if job is None:  # a preload, or the final "store" of a job acknowledged early
+                keys = self._preloads.pop(c.req_id, None)
+                if keys is not None:
+                    self._staged_keys.extend(k for k, ok in zip(keys, c.ok, strict=True)
+                                             if ok)
                 continue
             if job.is_load:
                 lat = time.perf_counter() - job.t0
@@ -273,6 +282,12 @@ class PyKVCacheWorker(OffloadingWorker):
                 delta[k] = d
                 self._reported[k] = v
         return failed, delta
+
+    def take_staged(self) -> list[bytes]:
+        """Keys that preloads staged (or found already staged) since the last call, for
+        the scheduler's queue-aware gate (sent in the connector's worker metadata)."""
+        out, self._staged_keys = self._staged_keys, []
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Cumulative counters of this worker plus the reactor's snapshot."""

@@ -158,3 +158,60 @@ def test_scbench_like_pressure_bounded_reads_and_staging(model_dir, workdir, tmp
     needed = s["chunks_loaded_disk"] * H.FILE_BYTES
     assert needed > 0, s
     assert s["bytes_read"] <= 1.1 * needed, (s["bytes_read"], needed, s)
+
+
+def _queue_table(tmp_path, model_dir, recompute_s):
+    """A table whose disk tier never wins, with one recompute time for 1024 tokens and a
+    1 GB/s disk: the queue-aware decision preloads a prefix iff the work ahead of its
+    request (``recompute_s`` per 1024 tokens) covers the read."""
+    from kvcache_core.breakeven import BreakevenTable
+
+    p = str(tmp_path / f"table-{recompute_s}.json")
+    t = BreakevenTable(gpu="cpu", model=os.path.basename(model_dir),
+                       thresholds={"dram": 0, "disk": None},
+                       bandwidths={"disk_read_gbps": 1.0},
+                       measurements=[{"tier": "dram", "tokens": 1024, "hit_s": 0.0,
+                                      "recompute_s": recompute_s}])
+    with open(p, "w") as f:
+        json.dump(t.to_json(), f)
+    return p
+
+
+@pytest.mark.parametrize("recompute_s", [5.0, 1e-9])
+def test_queue_aware_preload_loads_only_what_is_staged(model_dir, workdir, reference,
+                                                      tmp_path, recompute_s):
+    """Disk tier never wins (table), queue_aware_preload on, three stored documents sent
+    at once with one running slot. The first is refused (nothing ahead to hide its
+    read). With long work ahead (5 s per 1024 tokens in the table) the two waiting ones
+    are preloaded while the first runs and are loaded from staging (gate tier ``staged``);
+    with no time ahead (1 ns) nothing is preloaded and every prefix is recomputed.
+    Tokens are identical to recompute either way."""
+    root = os.path.join(workdir, f"root_queue_{recompute_s}")
+    names = ["A", "B", "C"]
+    _store_all(model_dir, root, [H.PROMPTS[n] for n in names])
+    table = _queue_table(tmp_path, model_dir, recompute_s)
+    llm = H.make_llm(model_dir, H.extra_config(root, preload_lookahead=4,
+                                               breakeven_table=table,
+                                               queue_aware_preload=True),
+                     max_num_seqs=MAX_SEQS, num_gpu_blocks_override=GPU_BLOCKS,
+                     max_model_len=GPU_BLOCKS * 128)
+    try:
+        assert H.scheduler_connector(llm).queue_model is not None
+        outs = _gen_many(llm, [H.PROMPTS[n] for n in names])
+        H.drain(llm)
+        s = H.manager(llm).stats()
+    finally:
+        H.shutdown(llm)
+    for n, o in zip(names, outs, strict=True):
+        assert H.same_output(reference[n], o), n
+    assert s["gate_accepted_disk"] == 0 and s["load_failures"] == 0, s
+    if recompute_s > 1:
+        assert s["preloads_staged"] == 6 and s["hits_staged"] >= 6, s
+        assert s["gate_accepted_staged"] == 2 and s["gate_refused_disk"] == 1, s
+        assert s["preloads_claimed"] + s["preloads_joined"] == 6, s
+        assert s["chunks_loaded_disk"] == 6, s  # via staging: no on-demand disk read
+        assert s["bytes_read"] == 6 * H.FILE_BYTES, s
+    else:
+        assert s["preloads_planned"] == 0 and s["preloads_skipped_queue"] > 0, s
+        assert s["gate_refused_disk"] == 3 and s["chunks_loaded_disk"] == 0, s
+        assert s["bytes_read"] == 0, s

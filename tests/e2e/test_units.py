@@ -40,6 +40,12 @@ def test_parse_extra_config_errors_name_the_key():
         O.parse_extra_config({**base, "load_failure_policy": "ignore"})
     with pytest.raises(ConfigError, match="'breakeven_table'"):
         O.parse_extra_config({**base, "breakeven_table": ""})
+    with pytest.raises(ConfigError, match="'queue_aware_preload'.*true or false"):
+        O.parse_extra_config({**base, "breakeven_table": "t.json", "queue_aware_preload": 1})
+    with pytest.raises(ConfigError, match="'queue_aware_preload': needs 'breakeven_table'"):
+        O.parse_extra_config({**base, "queue_aware_preload": True})
+    assert O.parse_extra_config({**base, "breakeven_table": "t.json",
+                                 "queue_aware_preload": True}).queue_aware_preload
     with pytest.raises(ConfigError, match="'dram_cache_bytes'"):
         O.pool_geometry(StorageConfig(dram_cache_bytes=4096),
                         Namespace("m", "bf16", 256, 1 << 20))
@@ -417,10 +423,51 @@ def test_specs_and_metadata_pickle_and_aggregate(vllm_available):
     ss = pickle.loads(pickle.dumps(PyKVStoreSpec([key(2)], [-1])))
     assert ss.keys == [key(2)] and ss.dram_slots == [-1]
     a = PyKVCacheWorkerMetadata(completed_jobs={1: 1}, failed_keys={key(1)},
-                                counters={"files_corrupt": 1})
+                                counters={"files_corrupt": 1}, staged={key(3): 1})
     b = PyKVCacheWorkerMetadata(completed_jobs={1: 1, 2: 1}, failed_keys={key(2)},
-                                counters={"files_corrupt": 2, "bytes_read": 5})
+                                counters={"files_corrupt": 2, "bytes_read": 5},
+                                staged={key(3): 1, key(4): 1})
     c = pickle.loads(pickle.dumps(a.aggregate(b)))
     assert isinstance(c, PyKVCacheWorkerMetadata)
     assert c.completed_jobs == {1: 2, 2: 1} and c.failed_keys == {key(1), key(2)}
     assert c.counters == {"files_corrupt": 3, "bytes_read": 5}
+    assert c.staged == {key(3): 2, key(4): 1}  # ranks that staged each key
+
+
+def test_manager_staged_blocks_count_as_fast_tier(tmp_path, vllm_available, monkeypatch):
+    """Keys every rank reported staged (queue-aware preload) are looked up as tier
+    ``staged``, the leading non-disk chunks are counted, a load claims them, and the
+    belief expires."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm import manager as M
+
+    nss = [Namespace("m", "bf16", 256, 1 << 16, tp_rank=r, tp_size=2) for r in range(2)]
+    m = M.PyKVCacheManager(str(tmp_path), nss, n_dram=0)
+    assert m.n_ranks == 2 and m.key_bytes == 2 * nss[0].file_bytes
+    ks = [key(i) for i in range(1, 4)]
+    for k in ks:
+        for d in m.disk:
+            p = d.path_for(k)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            open(p, "w").close()
+    r = ReqContext("r")
+
+    def look():
+        m.begin_lookup()
+        assert all(m.lookup(k, r) == LookupResult.HIT for k in ks)
+        return m.lookup_tier(), m.lookup_fast_chunks()
+
+    assert look() == ("disk", (0, "dram"))
+    m.on_worker_report(set(), {}, {ks[0]: 2, ks[1]: 1})  # ks[1]: only one rank staged it
+    assert look() == ("disk", (1, "staged"))
+    m.on_worker_report(set(), {}, {ks[1]: 2, ks[2]: 2})
+    assert look() == ("staged", (3, "staged"))
+    assert m.stats()["hits_staged"] == 1 + 3
+    m.prepare_load([ks[0]], r)  # claimed: no longer believed staged
+    assert look() == ("disk", (0, "dram"))
+    m.complete_load([ks[0]], r)
+    m.on_worker_report({ks[1]}, {}, {})  # a failed key leaves the staged set too
+    monkeypatch.setattr(M.time, "monotonic", lambda: 1e12)  # past the TTL
+    m.begin_lookup()
+    assert m.lookup(ks[2], r) == LookupResult.HIT and m.lookup_tier() == "disk"
