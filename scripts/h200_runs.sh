@@ -8,9 +8,10 @@
 #   bash scripts/h200_runs.sh longdoc llama-3.2-3b   # issue 3: 5 configs, conc 1, 1k-64k
 #   bash scripts/h200_runs.sh gate    llama-3.2-3b   # issue 5: table from the run, gate on
 #   bash scripts/h200_runs.sh preload llama-3.2-3b   # issue 4: queued disk hits, preload on/off
+#   bash scripts/h200_runs.sh queue   llama-3.2-3b   # issue 5 item 4: queue-aware preload
 #   bash scripts/h200_runs.sh trace   llama-3.2-3b   # what the reactor did during each TTFT
 set -euo pipefail
-STEP=${1:?step: longdoc|gate|preload}
+STEP=${1:?step: longdoc|gate|preload|queue|trace}
 M=${2:?model: llama-3.2-3b|llama-3.1-8b}
 RES=${RES:-/tmp/res}
 ROOT=${ROOT:-/tmp/ldroot}
@@ -37,6 +38,14 @@ case "$STEP" in
     "${B[@]}" --json "$RES/preload-run-$M.json" --tokens 40960 --docs 2 --repeats 6 \
       --fresh-frac 0.25 --concurrency 16 --gpu-blocks 10496 --workload mixed \
       --configs kvcache_nopreload,kvcache_preload,native_fs \
+      --preload-json "$RES/preload-$M.json" ;;
+  queue)
+    # issue 5 item 4: the preload workload with the disk tier gated (table of the gate
+    # step, else the committed one): queue-aware preload on vs off, recompute beside
+    T="$RES/breakeven-$M.json"; [ -f "$T" ] || T="docs/results/h200/breakeven-$M.json"
+    "${B[@]}" --json "$RES/preload-run-$M.json" --tokens 40960 --docs 2 --repeats 6 \
+      --fresh-frac 0.25 --concurrency 16 --gpu-blocks 10496 --workload mixed \
+      --configs kvcache_disk_gate,kvcache_gate_queue,recompute_cold --gate-table "$T" \
       --preload-json "$RES/preload-$M.json" ;;
   trace)
     # diagnostics: per request, the reactor's events inside its TTFT window

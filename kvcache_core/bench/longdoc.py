@@ -23,6 +23,10 @@ all in one run, each engine in its own process group:
                 ``--preload-lookahead``; needs the patched vLLM) / off (preload_lookahead 0);
                 load phase in a fresh process, page cache dropped; a DRAM tier of the same
                 size as native_fs's CPU tier (1.3 documents), cold at the start
+  kvcache_gate_queue
+                kvcache_disk_gate plus queue_aware_preload: a disk prefix the gate refuses
+                on demand is preloaded while its request queues and loaded only if staged
+                in time (compare with kvcache_disk_gate in the same queued workload)
 
 The same run measures the disk's O_DIRECT read bandwidth on the cache root and pinned
 host->device bandwidth, so the floor KV/disk + KV/pcie is known. Output JSON:
@@ -61,11 +65,12 @@ from .common import save_loglog
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL_CONFIGS = ["recompute", "native_cpu", "native_fs", "kvcache_disk", "kvcache_dram",
                "kvcache_disk_gate", "kvcache_dram_gate", "kvcache_preload", "kvcache_nopreload",
-               "recompute_cold"]
+               "recompute_cold", "kvcache_gate_queue"]
 BASE_CONFIGS = ALL_CONFIGS[:5]
 COLD_PROCESS = {"native_fs", "kvcache_disk", "kvcache_disk_gate", "kvcache_preload",
-                "kvcache_nopreload", "recompute_cold"}
-GATE_OF = {"kvcache_disk_gate": "disk", "kvcache_dram_gate": "dram"}
+                "kvcache_nopreload", "recompute_cold", "kvcache_gate_queue"}
+GATE_OF = {"kvcache_disk_gate": "disk", "kvcache_dram_gate": "dram",
+           "kvcache_gate_queue": "disk"}
 #: Storage block of every offloading configuration, and the KV dtype the runs assume
 BLOCK_TOKENS = 256
 DTYPE = "bfloat16"
@@ -118,6 +123,8 @@ def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
                  else args.preload_lookahead}
         if cfg in GATE_OF:
             extra["breakeven_table"] = args.gate_table_path
+        if cfg == "kvcache_gate_queue":
+            extra["queue_aware_preload"] = True
         return {"kv_connector": "OffloadingConnector",
                 "kv_connector_module_path": "kvcache_core.vllm", "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
@@ -384,6 +391,18 @@ def _load_stats(args, cfg: str) -> tuple[list[dict], list[dict]]:
     return read_stats(os.path.join(w, f"{cfg}-store.stats.workers.jsonl")) + load, load
 
 
+def _scheduler_stats(args, cfg: str) -> dict:
+    """The scheduler's last counters of the load phase (nonzero ones; ``{}`` if the
+    configuration has none): gate decisions, staged hits, preloads planned."""
+    for phase in ("load", "both"):
+        path = os.path.join(args.work, f"{cfg}-{phase}.stats")
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as f:
+                d = json.load(f)
+            return {k: v for k, v in d.items() if isinstance(v, (int, float)) and v}
+    return {}
+
+
 def _ensure_gate_table(args, results: list[dict], model_name: str) -> None:
     if args.gate_table_path:
         return
@@ -468,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             store = load = _run_child(args, cfg, "both", args.timeout)
             dropped = None
         stats, lstats = _load_stats(args, cfg)
+        sched = _scheduler_stats(args, cfg)
         if not store or not load:
             results.append({"config": cfg, "error": "engine run failed"})
             out = save(args, results, disk, pcie, kvb, model_name)
@@ -498,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                     r["staging_budget_bytes"] = budget
                     r["disk_read_bytes"] = sum(s.get("bytes_read", 0) for s in lstats)
                     r["worker_stats"] = diag
+                    r["scheduler_stats"] = sched
                     if cfg in GATE_OF:
                         r["gate_table"] = args.gate_table_path
         shutil.rmtree(os.path.join(args.root, cfg), ignore_errors=True)
@@ -545,7 +566,8 @@ def save(args, results: list[dict], disk: float, pcie: float, kvb: int,
     return out
 
 
-PRELOAD_CONFIGS = ("kvcache_preload", "kvcache_nopreload", "native_fs")
+PRELOAD_CONFIGS = ("kvcache_preload", "kvcache_nopreload", "native_fs", "kvcache_disk_gate",
+                   "kvcache_gate_queue", "recompute_cold")
 PRELOAD_KEYS = ("tokens", "concurrency", "mean_ttft_s", "median_ttft_s", "p90_ttft_s",
                 "mean_ttft_noreuse_s", "mean_ttft_reuse_s", "wall_s", "peak_staging_bytes",
                 "staging_budget_bytes", "disk_read_bytes", "n_requests", "n_noreuse")
