@@ -222,7 +222,10 @@ class OffloadingConnector(_VllmOffloadingConnector):
             manager = getattr(self.connector_scheduler, "manager", None)
             if self.gate is not None and manager is not None:
                 manager.extra_counters = self.gate.counters  # reported with the stats
-                if opts.queue_aware_preload:
+                if opts.queue_aware_preload and self.preload_lookahead == 0:
+                    log.warning("py-kvcache: queue_aware_preload needs preload_lookahead > 0 "
+                                "(it decides which waiting requests to preload): off")
+                elif opts.queue_aware_preload:
                     self.queue_model = _queue_model(self.gate, opts.breakeven_table)
                 if self.queue_model is not None:
                     log.info("py-kvcache: queue-aware preload on: disk prefixes the gate "
