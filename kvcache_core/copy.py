@@ -6,6 +6,8 @@ ready in one reactor iteration and must issue them as ONE batched operation;
 polls; the reactor frees (or retains) the slot only once ``done`` is True.
 
 * :class:`NullCopier` - no device (storage benchmarks measure disk <-> staging only).
+* :class:`TimedCopier` - no device, but every copy "takes" a fixed time and completes
+  asynchronously (benchmarks of the reactor's own scheduling, e.g. GIL contention).
 * :class:`MemcpyCopier` - CPU-only machines and CI: destinations/sources are writable
   buffers (memoryview, bytearray, numpy array or CPU tensor); copies are synchronous.
 * :class:`CudaCopier` - torch CUDA: one dedicated stream for batched host->device copies
@@ -18,6 +20,7 @@ file header size so that header + payload are read/written in one I/O.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -52,6 +55,23 @@ class NullCopier(Copier):
 
     def from_device(self, slot, src, nbytes):
         return None
+
+
+class TimedCopier(Copier):
+    """No device; a batch completes ``COPY_S`` per block after it was issued, a store copy
+    ``COPY_S`` after it was issued (handles are deadlines on ``time.perf_counter``)."""
+
+    asynchronous = True
+    COPY_S = 0.0005
+
+    def to_device(self, slots, dests, nbytes):
+        return time.perf_counter() + self.COPY_S * len(slots)
+
+    def from_device(self, slot, src, nbytes):
+        return time.perf_counter() + self.COPY_S
+
+    def done(self, handle):
+        return handle is None or time.perf_counter() >= handle
 
 
 class MemcpyCopier(Copier):

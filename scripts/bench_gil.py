@@ -34,19 +34,7 @@ CASES = {"no_busy_thread": (False, None), "busy_default_5ms": (True, None),
 
 def child(root: str, busy: bool, interval: float | None, repeats: int) -> dict:
     from kvcache_core import Layout, Namespace, Reactor
-    from kvcache_core.copy import Copier
-
-    class TimedCopier(Copier):
-        asynchronous = True
-
-        def to_device(self, slots, dests, nbytes):
-            return time.perf_counter() + 0.0005 * len(slots)
-
-        def from_device(self, slot, src, nbytes):
-            return time.perf_counter() + 0.0005
-
-        def done(self, handle):
-            return handle is None or time.perf_counter() >= handle
+    from kvcache_core.copy import TimedCopier
 
     block = 4 << 20
     shutil.rmtree(root, ignore_errors=True)

@@ -73,20 +73,8 @@ def _py_work(ms: float) -> None:
 
 def child(args, case: str) -> dict:
     from kvcache_core import Layout, Namespace, Reactor
-    from kvcache_core.copy import Copier
+    from kvcache_core.copy import TimedCopier
     from kvcache_core.reactor import NO_DISK
-
-    class TimedCopier(Copier):
-        asynchronous = True
-
-        def to_device(self, slots, dests, nbytes):
-            return time.perf_counter() + 0.0005 * len(slots)
-
-        def from_device(self, slot, src, nbytes):
-            return time.perf_counter() + 0.0005
-
-        def done(self, handle):
-            return handle is None or time.perf_counter() >= handle
 
     _calibrate()
     block = args.block_mib << 20

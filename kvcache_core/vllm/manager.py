@@ -155,16 +155,12 @@ class PyKVCacheManager(OffloadingManager):
         self.n_ranks = len(self.disk)
         # keys preloaded into staging on every rank -> until when that is believed
         self._staged: collections.OrderedDict[OffloadKey, float] = collections.OrderedDict()
-        self._lookup_staged = False
         self._lookup_fast = 0
         self._lookup_fast_staged = False
+        #: bytes a key's files hold over all ranks (what reading it from disk costs)
+        self.key_bytes = sum(d.ns.file_bytes for d in self.disk)
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def key_bytes(self) -> int:
-        """Bytes a key's files hold over all ranks (what reading it from disk costs)."""
-        return sum(d.ns.file_bytes for d in self.disk)
-
     def _on_disk(self, key: OffloadKey) -> bool:
         return all(d.exists(key) for d in self.disk)
 
@@ -199,7 +195,6 @@ class PyKVCacheManager(OffloadingManager):
     def begin_lookup(self) -> None:
         """The connector starts one request's lookups (break-even gate bookkeeping)."""
         self._lookup_disk = False
-        self._lookup_staged = False
         self._lookup_fast = 0
         self._lookup_fast_staged = False
 
@@ -209,28 +204,24 @@ class PyKVCacheManager(OffloadingManager):
         of the prefix that a gate refusing the disk tier may still load."""
         return self._lookup_fast, "staged" if self._lookup_fast_staged else "dram"
 
-    def _is_staged(self, key: OffloadKey) -> bool:
-        until = self._staged.get(key)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        del self._staged[key]
-        return False
-
     def lookup_tier(self) -> str:
         """Source tier of the lookups since :meth:`begin_lookup`: ``disk`` if any hit chunk
         must come from disk, else ``staged`` if any was preloaded into staging, else
-        ``dram``."""
-        return "disk" if self._lookup_disk else "staged" if self._lookup_staged else "dram"
+        ``dram`` (without a disk chunk, every staged chunk is a leading one)."""
+        if self._lookup_disk:
+            return "disk"
+        return "staged" if self._lookup_fast_staged else "dram"
 
-    def _is_bad(self, key: OffloadKey) -> bool:
-        until = self._bad.get(key)
+    @staticmethod
+    def _live(until_of: dict[OffloadKey, float], key: OffloadKey) -> bool:
+        """``key`` is in ``until_of`` (key -> deadline) and its deadline has not passed;
+        an expired entry is removed."""
+        until = until_of.get(key)
         if until is None:
             return False
         if time.monotonic() < until:
             return True
-        del self._bad[key]
+        del until_of[key]
         return False
 
     def _plan_prefix(self, hashes: Sequence[Any], g: Any, out: list[OffloadKey],
@@ -294,7 +285,7 @@ class PyKVCacheManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters["lookups"] += 1
-        if key in self._storing or (self._bad and self._is_bad(key)):
+        if key in self._storing or (self._bad and self._live(self._bad, key)):
             self.counters["misses"] += 1
             return LookupResult.MISS
         if self.dram is not None and self.dram.lookup(key) >= 0:
@@ -303,9 +294,8 @@ class PyKVCacheManager(OffloadingManager):
                 self._lookup_fast += 1
             return LookupResult.HIT
         if self._on_disk(key):
-            if self._staged and self._is_staged(key):
+            if self._staged and self._live(self._staged, key):
                 self.counters["hits_staged"] += 1
-                self._lookup_staged = True
                 if not self._lookup_disk:
                     self._lookup_fast += 1
                     self._lookup_fast_staged = True

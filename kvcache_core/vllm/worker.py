@@ -147,7 +147,7 @@ class PyKVCacheWorker(OffloadingWorker):
             for r in refs:
                 r.after = ev
         items = []
-        flag = NO_DISK if getattr(dst_spec, "no_disk", False) else 0
+        flag = NO_DISK if dst_spec.no_disk else 0
         for ref, slot in zip(refs, dst_spec.dram_slots, strict=True):
             ext = self.n_staging + slot if slot >= 0 else -1
             items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext, flag))

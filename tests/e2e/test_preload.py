@@ -96,14 +96,17 @@ def _store_all(model_dir, root, prompts):
         H.shutdown(llm)
 
 
-def test_preloaded_blocks_give_the_same_tokens_as_recompute(model_dir, workdir, reference):
-    root = os.path.join(workdir, "root_preload")
+def _queued_rerun(model_dir, root, reference, **extra):
+    """Store documents A, B, C (one engine), then send all three at once to a fresh engine
+    with one running slot and room for one request (the others queue), ``extra`` added to
+    the connector config. Checks the tokens against recompute; returns (stats, connector)."""
     names = ["A", "B", "C"]
     _store_all(model_dir, root, [H.PROMPTS[n] for n in names])
-    llm = H.make_llm(model_dir, H.extra_config(root, preload_lookahead=4),
+    llm = H.make_llm(model_dir, H.extra_config(root, preload_lookahead=4, **extra),
                      max_num_seqs=MAX_SEQS, num_gpu_blocks_override=GPU_BLOCKS,
                      max_model_len=GPU_BLOCKS * 128)
     try:
+        conn = H.scheduler_connector(llm)
         outs = _gen_many(llm, [H.PROMPTS[n] for n in names])
         H.drain(llm)
         s = H.manager(llm).stats()
@@ -111,6 +114,11 @@ def test_preloaded_blocks_give_the_same_tokens_as_recompute(model_dir, workdir, 
         H.shutdown(llm)
     for n, o in zip(names, outs, strict=True):
         assert H.same_output(reference[n], o), n
+    return s, conn
+
+
+def test_preloaded_blocks_give_the_same_tokens_as_recompute(model_dir, workdir, reference):
+    s, _ = _queued_rerun(model_dir, os.path.join(workdir, "root_preload"), reference)
     assert s["preloads_planned"] > 0 and s["preloads_staged"] > 0, s
     assert s["preloads_claimed"] + s["preloads_joined"] > 0, s
     assert s["load_failures"] == 0 and s["chunks_loaded_disk"] == 9, s
@@ -186,24 +194,10 @@ def test_queue_aware_preload_loads_only_what_is_staged(model_dir, workdir, refer
     are preloaded while the first runs and are loaded from staging (gate tier ``staged``);
     with no time ahead (1 ns) nothing is preloaded and every prefix is recomputed.
     Tokens are identical to recompute either way."""
-    root = os.path.join(workdir, f"root_queue_{recompute_s}")
-    names = ["A", "B", "C"]
-    _store_all(model_dir, root, [H.PROMPTS[n] for n in names])
-    table = _queue_table(tmp_path, model_dir, recompute_s)
-    llm = H.make_llm(model_dir, H.extra_config(root, preload_lookahead=4,
-                                               breakeven_table=table,
-                                               queue_aware_preload=True),
-                     max_num_seqs=MAX_SEQS, num_gpu_blocks_override=GPU_BLOCKS,
-                     max_model_len=GPU_BLOCKS * 128)
-    try:
-        assert H.scheduler_connector(llm).queue_model is not None
-        outs = _gen_many(llm, [H.PROMPTS[n] for n in names])
-        H.drain(llm)
-        s = H.manager(llm).stats()
-    finally:
-        H.shutdown(llm)
-    for n, o in zip(names, outs, strict=True):
-        assert H.same_output(reference[n], o), n
+    s, conn = _queued_rerun(model_dir, os.path.join(workdir, f"root_queue_{recompute_s}"),
+                            reference, queue_aware_preload=True,
+                            breakeven_table=_queue_table(tmp_path, model_dir, recompute_s))
+    assert conn.queue_model is not None
     assert s["gate_accepted_disk"] == 0 and s["load_failures"] == 0, s
     if recompute_s > 1:
         assert s["preloads_staged"] == 6 and s["hits_staged"] >= 6, s
