@@ -2,8 +2,9 @@
 
 The reactor thread is the only caller. ``to_device`` receives ALL load blocks that became
 ready in one reactor iteration and must issue them as ONE batched operation;
-``from_device`` copies one block for a store. Both return a handle that :meth:`done`
-polls; the reactor frees (or retains) the slot only once ``done`` is True.
+``from_device`` copies one block for a store and ``from_device_batch`` all blocks of one
+store request (polled with :meth:`store_done`). Each returns a handle that is polled;
+the reactor frees (or retains) the slot only once the copy is done.
 
 * :class:`NullCopier` - no device (storage benchmarks measure disk <-> staging only).
 * :class:`TimedCopier` - no device, but every copy "takes" a fixed time and completes
@@ -42,6 +43,18 @@ class Copier(ABC):
     @abstractmethod
     def from_device(self, slot: int, src: Any, nbytes: int) -> Any:
         """Copy ``nbytes`` from ``src`` into the slot's payload. Returns a handle."""
+
+    def from_device_batch(self, slots: list[int], srcs: list[Any], nbytes: list[int]) -> Any:
+        """Copy several blocks of ONE store request into their slots (same producer).
+        Returns one handle for :meth:`store_done`. Default: one :meth:`from_device` per
+        block (a copier with a batched device path overrides this)."""
+        return [self.from_device(s, r, n) for s, r, n in zip(slots, srcs, nbytes, strict=True)]
+
+    def store_done(self, handle: Any) -> bool:
+        """Whether every copy of a :meth:`from_device_batch` handle is done."""
+        if isinstance(handle, list):
+            return all(self.done(h) for h in handle)
+        return self.done(handle)
 
     def done(self, handle: Any) -> bool:
         return True

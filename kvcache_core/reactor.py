@@ -15,14 +15,23 @@ Load:  [DRAM hit: pin retained slot] or open (async, <= ``lookahead`` ahead) -> 
        (when ``io_depth`` allows) -> read whole file -> verify header + xxh3 -> joins the
        batch of this iteration -> ONE ``copier.to_device`` for the batch -> when the copy is
        done the slot is retained as DRAM cache (or freed).
-Store: slot -> ``copier.from_device`` -> header + checksum -> open temp (O_EXCL) -> write
-       -> [fdatasync] -> close -> atomic publish -> slot retained or freed. A store holds
-       one unit of ``io_depth`` from copy start to write completion.
+Store: slot (a caller-owned DRAM-tier slot, or a staging slot taken at once) -> ONE
+       ``copier.from_device_batch`` per request for all its blocks that got a slot ->
+       header + checksum -> [write-back queue] -> open temp (O_EXCL) -> write ->
+       [fdatasync] -> close -> atomic publish -> slot retained or freed. The device copy
+       never waits for the disk: a store takes no ``io_depth`` unit until its file write
+       starts, and holds one from the temp-file open to write completion (at most
+       ``write_depth`` = io_depth // 2 writes at once, so reads always keep units). With
+       ``store_policy="drop"`` a block that finds no staging slot free right now (above the
+       foreground reservation) is dropped and counted (``stores_dropped_backpressure``),
+       and so are the request's later staging blocks (a prefix with a hole is useless);
+       with ``"wait"`` (storage benchmarks, tests) it waits for a slot in arrival order.
 
-Priorities (R8): ready foreground reads > new foreground loads and stores > speculative
-loads. At most ONE speculative load is open or reading at a time; it may only take a
-slot above the ``io_depth`` foreground reservation; a foreground load arriving while the
-speculative file is open but not yet reading closes that fd and re-queues the preload.
+Priorities (R8): ready foreground reads > new foreground loads, store copies and
+write-back > speculative loads (a freed ``io_depth`` unit goes to a ready read first). At
+most ONE speculative load is open or reading at a time; it may only take a slot above the
+``io_depth`` foreground reservation; a foreground load arriving while the speculative
+file is open but not yet reading closes that fd and re-queues the preload.
 
 Errors never escape the reactor: a missing file is a miss, a short/corrupt/mismatched
 file is a counted miss (the file is removed), ENOSPC or any write error drops the store
@@ -57,7 +66,7 @@ SUPERSEDED = 1 << 8  # (internal) preload replaced by a foreground load of its k
 PREEMPTED = 1 << 9   # (internal) preload to close and re-queue when its open completes
 # task states
 (Q, OPENING, OPENED, READING, READY, COPY_OUT, COPY_IN, W_OPENING, WRITING, SYNCING,
- CLOSING, DONE, JOINED) = range(13)
+ CLOSING, DONE, JOINED, WB_QUEUED) = range(14)
 # op codes in the low bits of an I/O tag
 OP_OPEN, OP_READ, OP_WOPEN, OP_WRITE, OP_FSYNC, OP_CLOSE, OP_WCLOSE = range(7)
 OP_BITS = 3
@@ -97,7 +106,11 @@ class ReactorStats:
     stores_existing: int = 0
     stores_dropped_enospc: int = 0
     stores_dropped_capacity: int = 0
+    stores_dropped_backpressure: int = 0
     stores_error: int = 0
+    #: store/promotion tasks that found their caller-owned slot still being written from
+    #: (they wait for that write; a caller that keeps such slots pinned sees 0)
+    ext_slot_waits: int = 0
     spec_requeued: int = 0
     preload_staged: int = 0
     preload_claimed: int = 0
@@ -124,7 +137,7 @@ class ReactorStats:
 class _Task:
     __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
                  "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags",
-                 "payload", "nread", "copied", "xslot")
+                 "payload", "nread", "copied", "xslot", "depth")
 
     def reset(self) -> None:
         self.ref = None
@@ -137,13 +150,15 @@ class _Task:
         self.copied = False
         self.xslot = -1  # the caller-owned slot this task owns (see Reactor._ext_owner)
         self.flags = 0
+        self.depth = False  # holds one io_depth unit (a read or a file write in flight)
         self.payload = 0
         self.handle = None
         self.state = Q
 
 
 class _Request:
-    __slots__ = ("req_id", "kind", "ok", "remaining", "cancelled", "prio", "hold", "acked")
+    __slots__ = ("req_id", "kind", "ok", "remaining", "cancelled", "prio", "hold", "acked",
+                 "dropping")
 
     def __init__(self, req_id, kind, n, prio):
         self.req_id = req_id
@@ -156,6 +171,9 @@ class _Request:
         #: early acknowledgement may go out (see Reactor doc)
         self.hold = 0
         self.acked = False
+        #: store, ``store_policy="drop"``: a block was dropped for back-pressure, so the
+        #: later staging blocks of this request are dropped too
+        self.dropping = False
 
 
 class Reactor:
@@ -171,6 +189,9 @@ class Reactor:
     offloading scheduler waits for a store job before it reuses the job's GPU blocks
     (``jobs_to_flush``), so without this a new request waited for the previous request's
     disk writes.
+    ``store_policy``: ``"drop"`` (serving: a store never waits for the disk; a block with
+    no free staging slot above the foreground reservation is dropped and counted) or
+    ``"wait"`` (benchmarks and tests: it waits for a slot, FIFO).
     ``switch_interval``: the reactor lowers ``sys.setswitchinterval`` to this (process
     wide) when it is larger, because GIL handoffs with a busy host process (vLLM's engine
     loop) otherwise throttle it; ``None`` leaves the interpreter alone.
@@ -190,7 +211,11 @@ class Reactor:
                  on_complete: Callable[[Completion], None] | None = None,
                  name: str = "kvcache-reactor",
                  switch_interval: float | None = SWITCH_INTERVAL_S,
-                 trace: bool = False, early_store_ack: bool = False) -> None:
+                 trace: bool = False, early_store_ack: bool = False,
+                 store_policy: str = "wait") -> None:
+        if store_policy not in ("wait", "drop"):
+            raise ValueError(f"store_policy must be 'wait' or 'drop', got {store_policy!r}")
+        self.store_drop = store_policy == "drop"
         self.layout = layout
         self.slot_bytes = layout.ns.file_bytes
         if switch_interval is not None and sys.getswitchinterval() > switch_interval:
@@ -202,6 +227,10 @@ class Reactor:
                      sys.getswitchinterval(), switch_interval)
             sys.setswitchinterval(switch_interval)
         self.io_depth = io_depth
+        #: most file writes in flight at once: write-back never takes every io_depth unit,
+        #: so an on-demand read can always start (writes reach most of a disk's write
+        #: bandwidth at half the depth: DESIGN.md section 4, 3.5 GB/s at 4 vs 3.6 at 16)
+        self.write_depth = max(1, io_depth // 2)
         self.lookahead = max(1, lookahead)
         self.verify = verify
         if n_slots < io_depth + 1:
@@ -241,16 +270,20 @@ class Reactor:
         self._tasks: dict[int, _Task] = {}
         self._free_tasks: list[_Task] = []
         self._next_tid = 1
-        self._new_fg: collections.deque[_Task] = collections.deque()  # loads and stores
+        self._new_fg: collections.deque[_Task] = collections.deque()  # foreground loads
+        self._new_store: collections.deque[_Task] = collections.deque()  # stores, no slot yet
+        self._wq: collections.deque[_Task] = collections.deque()  # copied, file not started
         self._new_spec: collections.deque[_Task] = collections.deque()
         self._opened_fg: collections.deque[_Task] = collections.deque()
         self._opened_spec: collections.deque[_Task] = collections.deque()
         self._ready: list[_Task] = []          # reads done this iteration -> one batch
         self._verify: list[_Task] = []         # reads completed, header/checksum not checked
         self._copies: collections.deque = collections.deque()  # (handle, [tasks])
-        self._store_copies: list[_Task] = []
+        self._store_copies: list[tuple[Any, list[_Task]]] = []  # (handle, tasks) batches
+        self._sb_tasks: dict[Any, list[_Task]] = {}  # per-iteration store batches (scratch)
         self._opening = 0
         self._io_inflight = 0
+        self._writes_inflight = 0  # file writes holding an io_depth unit (<= write_depth)
         self._spec_active: _Task | None = None
         self._spec_by_key: dict[bytes, _Task] = {}  # preloads not yet staged
         self._joiners: dict[bytes, list[_Task]] = {}  # loads waiting on a preload's read
@@ -425,6 +458,7 @@ class Reactor:
                     continue
                 t.xslot = t.slot
                 if t.slot in self._ext_owner:  # still in use by an earlier task: wait
+                    self.stats.ext_slot_waits += 1
                     self._ext_wait.setdefault(t.slot, collections.deque()).append(t)
                     continue
                 self._ext_owner[t.slot] = t.tid
@@ -434,7 +468,7 @@ class Reactor:
         if t.kind == LOAD:
             self._route_load(t)
         else:
-            self._new_fg.append(t)
+            self._new_store.append(t)
 
     def _route_load(self, t: _Task) -> None:
         """Where a new load goes: retained/staged slot, join an in-flight preload, queue."""
@@ -531,8 +565,8 @@ class Reactor:
         if req is None:
             return
         req.cancelled = True
-        for dq in (self._new_fg, self._new_spec, self._opened_fg, self._opened_spec,
-                   *self._ext_wait.values()):
+        for dq in (self._new_fg, self._new_store, self._new_spec, self._opened_fg,
+                   self._opened_spec, *self._ext_wait.values()):
             for t in [t for t in dq if t.req is req]:
                 if t not in dq:  # a waiting task started meanwhile (slot released)
                     continue
@@ -558,45 +592,27 @@ class Reactor:
             self._opened_fg.popleft()
             self._start_read(t, slot)
             worked = True
-        # 2. new foreground loads (open ahead) and stores, in arrival order
-        while self._new_fg:
-            t = self._new_fg[0]
-            if t.kind == LOAD:
-                if self._opening + len(self._opened_fg) >= self.lookahead:
-                    break
-                self._new_fg.popleft()
-                t.state = OPENING
-                self._opening += 1
-                eng.open((t.tid << OP_BITS) | OP_OPEN, self.layout.path_for(t.key), self._rflags)
-            else:
-                if self._io_inflight >= self.io_depth:
-                    break
-                if not t.ext and self.layout.exists(t.key):  # already stored: nothing to do
-                    self._new_fg.popleft()
-                    self.stats.stores_existing += 1
-                    self._finish(t, True)
-                    worked = True
-                    continue
-                slot = t.slot if t.ext else alloc.acquire(t.tid, Priority.FOREGROUND)
-                if slot < 0:
-                    break
-                self._new_fg.popleft()
-                t.slot = slot
-                t.state = COPY_IN
-                self._io_inflight += 1
-                try:
-                    c0 = time.perf_counter()
-                    t.handle = self.copier.from_device(slot, t.ref, t.nbytes)
-                    self.timing["from_device_s"] += time.perf_counter() - c0
-                except Exception as e:  # bad source: fail this item, keep serving
-                    log.error("py-kvcache: store copy failed for one block: %s", e)
-                    self._store_failed(t, "copy", -_errno.EINVAL)
-                    worked = True
-                    continue
-                t.ref = None
-                self._store_copies.append(t)
+        # 2. new stores: a slot now (or drop / wait, see store_policy), device copies
+        #    issued as one batch per request; no io_depth unit is taken here
+        if self._new_store and self._start_stores():
             worked = True
-        # 3. speculative: one at a time, above the foreground reservation
+        # 3. new foreground loads: open ahead
+        while self._new_fg:
+            if self._opening + len(self._opened_fg) >= self.lookahead:
+                break
+            t = self._new_fg.popleft()
+            t.state = OPENING
+            self._opening += 1
+            eng.open((t.tid << OP_BITS) | OP_OPEN, self.layout.path_for(t.key), self._rflags)
+            worked = True
+        # 4. write-back: copied blocks whose file is not started, while io_depth allows
+        #    (after step 1, so a freed unit goes to a ready foreground read first), at
+        #    most ``write_depth`` files at once so that reads always keep units
+        while (self._wq and self._io_inflight < self.io_depth
+               and self._writes_inflight < self.write_depth):
+            self._start_write(self._wq.popleft())
+            worked = True
+        # 5. speculative: one at a time, above the foreground reservation
         if self._spec_active is None and self._new_spec and not self._opened_fg:
             t = self._new_spec.popleft()
             self._spec_active = t
@@ -612,6 +628,91 @@ class Reactor:
                 self._start_read(t, slot)
                 worked = True
         return worked
+
+    def _start_stores(self) -> bool:
+        """Give each new store a slot now and issue the device copies, one batch per
+        request. Caller-owned slots need nothing; a staging slot comes from the allocator
+        above the foreground reservation (``"drop"``: none free -> the block and the
+        request's later staging blocks are dropped; ``"wait"``: the queue waits, FIFO)."""
+        q = self._new_store
+        alloc = self.alloc
+        batches = self._sb_tasks
+        prio = Priority.SPECULATIVE if self.store_drop else Priority.FOREGROUND
+        worked = False
+        while q:
+            t = q[0]
+            if not t.ext:
+                if t.req.dropping:
+                    q.popleft()
+                    self.stats.stores_dropped_backpressure += 1
+                    self._finish(t, False)
+                    worked = True
+                    continue
+                if self.layout.exists(t.key):  # already stored: nothing to do
+                    q.popleft()
+                    self.stats.stores_existing += 1
+                    self._finish(t, True)
+                    worked = True
+                    continue
+                slot = alloc.acquire(t.tid, prio)
+                if slot < 0:
+                    if not self.store_drop:
+                        break
+                    q.popleft()
+                    t.req.dropping = True
+                    self.stats.stores_dropped_backpressure += 1
+                    self._finish(t, False)
+                    worked = True
+                    continue
+                t.slot = slot
+            q.popleft()
+            t.state = COPY_IN
+            b = batches.get(t.req)
+            if b is None:
+                batches[t.req] = [t]
+            else:
+                b.append(t)
+            worked = True
+        if batches:
+            for tasks in batches.values():
+                self._copy_in(tasks)
+            batches.clear()
+        return worked
+
+    def _copy_in(self, tasks: list[_Task]) -> None:
+        """ONE device -> host copy for ``tasks`` (blocks of one store request)."""
+        try:
+            c0 = time.perf_counter()
+            handle = self.copier.from_device_batch([t.slot for t in tasks],
+                                                   [t.ref for t in tasks],
+                                                   [t.nbytes for t in tasks])
+            self.timing["from_device_s"] += time.perf_counter() - c0
+        except Exception as e:  # bad source: fail these items, keep serving
+            log.error("py-kvcache: store copy of %d blocks failed: %s", len(tasks), e)
+            for t in tasks:
+                self._store_failed(t, "copy", -_errno.EINVAL)
+            return
+        for t in tasks:
+            t.ref = None
+        self._store_copies.append((handle, tasks))
+
+    def _start_write(self, t: _Task) -> None:
+        """Write-back of a copied block: capacity, temp file, one ``io_depth`` unit."""
+        if not self.layout.reserve(t.wlen):
+            self.stats.stores_dropped_capacity += 1
+            self._drop_slot(t)
+            self._finish(t, False)
+            return
+        try:
+            t.tmp, t.final = self.layout.temp_path_for(t.key)
+        except OSError as e:
+            self._store_failed(t, "mkdir", -(e.errno or _errno.EIO))
+            return
+        t.state = W_OPENING
+        t.depth = True
+        self._io_inflight += 1
+        self._writes_inflight += 1
+        self.engine.open((t.tid << OP_BITS) | OP_WOPEN, t.tmp, self._wflags)
 
     def _start_read(self, t: _Task, slot: int) -> None:
         t.slot = slot
@@ -685,6 +786,8 @@ class Reactor:
                 self._store_failed(t, "write", res if res < 0 else -_errno.ENOSPC)
                 return
             self._io_inflight -= 1
+            self._writes_inflight -= 1
+            t.depth = False
             self.stats.bytes_written += res
             if self.layout.durable:
                 t.state = SYNCING
@@ -694,7 +797,6 @@ class Reactor:
                 self.engine.close((t.tid << OP_BITS) | OP_WCLOSE, t.fd)
         elif op == OP_FSYNC:
             if res < 0:
-                self._io_inflight += 1  # _store_failed releases the depth unit
                 self._store_failed(t, "fsync", res)
                 return
             t.state = CLOSING
@@ -769,42 +871,33 @@ class Reactor:
     def _poll_store_copies(self) -> bool:
         progressed = False
         keep = []
-        for t in self._store_copies:
-            if not self.copier.done(t.handle):
-                keep.append(t)
+        for handle, tasks in self._store_copies:
+            if not self.copier.store_done(handle):
+                keep.append((handle, tasks))
                 continue
-            t.handle = None
             progressed = True
-            if self.trace is not None:
-                self._trace("store_copied", t.req.req_id, t.idx)
-            self._source_done(t, finishing=False)
-            view = self.pool.views[t.slot]
-            # The header goes in first, also for caller-owned (DRAM tier) slots that are not
-            # written to disk: a retained slot is always self-describing and checkable.
-            t.wlen = self.layout.fill_header(view, t.key, t.nbytes)
-            if t.ext and (t.flags & NO_DISK or self.layout.exists(t.key)):
-                self._io_inflight -= 1
-                self.stats.stores_existing += not (t.flags & NO_DISK)
-                self._finish(t, True)
-                continue
-            if not self.layout.reserve(t.wlen):
-                self._io_inflight -= 1
-                self.stats.stores_dropped_capacity += 1
-                self._drop_slot(t)
-                self._finish(t, False)
-                continue
-            try:
-                t.tmp, t.final = self.layout.temp_path_for(t.key)
-            except OSError as e:
-                self._store_failed(t, "mkdir", -(e.errno or _errno.EIO))
-                continue
-            t.state = W_OPENING
-            self.engine.open((t.tid << OP_BITS) | OP_WOPEN, t.tmp, self._wflags)
+            for t in tasks:
+                if self.trace is not None:
+                    self._trace("store_copied", t.req.req_id, t.idx)
+                self._source_done(t, finishing=False)
+                view = self.pool.views[t.slot]
+                # The header goes in first, also for caller-owned (DRAM tier) slots that
+                # are not written to disk: a retained slot is always self-describing.
+                t.wlen = self.layout.fill_header(view, t.key, t.nbytes)
+                if t.ext and (t.flags & NO_DISK or self.layout.exists(t.key)):
+                    self.stats.stores_existing += not (t.flags & NO_DISK)
+                    self._finish(t, True)
+                    continue
+                t.state = WB_QUEUED
+                self._wq.append(t)
         self._store_copies = keep
         return progressed
 
     def _store_failed(self, t: _Task, what: str, res: int) -> None:
-        self._io_inflight -= 1
+        if t.depth:
+            t.depth = False
+            self._io_inflight -= 1
+            self._writes_inflight -= 1
         if t.fd >= 0:
             self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
             t.fd = -1

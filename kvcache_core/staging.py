@@ -248,12 +248,15 @@ class SlotAllocator:
         """Slot holding ``key`` (CACHED) or -1. Does not pin or touch."""
         return self.index.get(key, -1)
 
-    def pin(self, key: Hashable) -> int:
-        """Pin the cached slot of ``key`` for reading (no reclaim until :meth:`unpin`)."""
+    def pin(self, key: Hashable, touch: bool = True) -> int:
+        """Pin the cached slot of ``key`` (no reclaim until :meth:`unpin`). ``touch``:
+        count it as a use for the replacement policy (a reader); False for a pin that is
+        not a use (e.g. a disk write still reading the slot)."""
         slot = self.index.get(key, -1)
         if slot >= 0:
             self.pins[slot] += 1
-            self.policy.hit(key)
+            if touch:
+                self.policy.hit(key)
         return slot
 
     def unpin(self, slot: int) -> None:

@@ -717,3 +717,25 @@ def test_reused_caller_slot_waits_for_the_write_from_it(make_layout, make_reacto
     assert bytes(dest[:BLOCK]) == payload(c, BLOCK)
     view = r.pool.views[slot]
     assert bytes(view[HEADER_BYTES:HEADER_BYTES + BLOCK]) == payload(c, BLOCK)
+
+
+def test_io_uring_probe_that_kills_its_process_falls_back(monkeypatch, caplog):
+    """A liburing that dies on this machine (SIGILL in Ring(), seen with 2026.3.x on a
+    6.18 Firecracker kernel) kills only the probe's child: the caller gets the POSIX
+    engine and a warning that names the signal."""
+    monkeypatch.delenv(kio.PROBE_ENV, raising=False)
+    monkeypatch.delenv("KVCACHE_DISABLE_IO_URING", raising=False)
+    monkeypatch.setattr(kio, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    ok, why = kio.uring_available()
+    assert not ok and "SIGILL" in why
+    assert os.environ[kio.PROBE_ENV] == why  # children inherit the verdict
+    kio._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcache_core.io"):
+        eng = kio.make_engine("auto", depth=2)
+    try:
+        assert eng.name == "posix"
+        assert any("SIGILL" in rec.getMessage() for rec in caplog.records)
+        with pytest.raises(RuntimeError, match="SIGILL"):
+            kio.make_engine("io_uring", depth=2)
+    finally:
+        eng.shutdown()

@@ -1,13 +1,16 @@
 """I/O engines and the probes that choose them.
 
-:func:`make_engine` returns an io_uring engine when the kernel allows it, else the POSIX
-fallback with ONE warning. :func:`probe_direct` decides per root whether O_DIRECT works.
+:func:`make_engine` returns an io_uring engine when the kernel allows it (and liburing
+runs here: probed in a child process first), else the POSIX fallback with ONE warning. :func:`probe_direct` decides per root whether O_DIRECT works.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 
 from .base import IOEngine
@@ -17,14 +20,80 @@ log = logging.getLogger("kvcache_core.io")
 _warned = threading.Event()
 
 
+#: The probe, run in a child process first: a liburing build that cannot run on this
+#: machine kills the process that calls it (seen: liburing 2026.3.x dies with SIGILL in
+#: ``Ring()`` on a 6.18 Firecracker kernel), and that must never be the vLLM worker.
+_PROBE = """
+import liburing as L
+ring = L.Ring()
+L.io_uring_queue_init(2, ring, 0)
+sqe = L.io_uring_get_sqe(ring)
+L.io_uring_prep_nop(sqe)
+L.io_uring_submit(ring)
+cqe = L.Cqe()
+L.io_uring_wait_cqe(ring, cqe)
+L.io_uring_cqe_seen(ring, cqe[0])
+L.io_uring_queue_exit(ring)
+"""
+#: Environment variable that carries the child probe's verdict to this process's
+#: children (vLLM workers, test helpers): ``ok`` or the reason it failed.
+PROBE_ENV = "KVCACHE_URING_PROBE"
+_probe_lock = threading.Lock()
+
+
+def _child_probe() -> tuple[bool, str]:
+    """Run :data:`_PROBE` in a child process once per process tree (cached in
+    :data:`PROBE_ENV`). Returns (ok, reason)."""
+    cached = os.environ.get(PROBE_ENV)
+    if cached is not None:
+        return cached == "ok", cached
+    with _probe_lock:
+        cached = os.environ.get(PROBE_ENV)
+        if cached is not None:
+            return cached == "ok", cached
+        try:
+            p = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True,
+                               timeout=30, text=True)
+            if p.returncode == 0:
+                why = "ok"
+            elif p.returncode < 0:
+                try:
+                    sig = signal.Signals(-p.returncode).name
+                except ValueError:
+                    sig = str(-p.returncode)
+                why = (f"the io_uring probe process was killed by {sig} inside liburing "
+                       f"{_liburing_version()} (kernel {os.uname().release})")
+            else:
+                last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+                why = f"the io_uring probe process failed: {last}"
+        except (OSError, subprocess.SubprocessError) as e:
+            why = f"the io_uring probe process could not run: {e}"
+        os.environ[PROBE_ENV] = why
+        return why == "ok", why
+
+
+def _liburing_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("liburing")
+    except Exception:  # pragma: no cover - metadata missing
+        return "?"
+
+
 def uring_available() -> tuple[bool, str]:
-    """Probe io_uring by setting up a ring and running one NOP. Returns (ok, reason)."""
+    """Probe io_uring: first in a child process (a liburing that cannot run here kills
+    only that child), then in this process by setting up a ring and running one NOP.
+    Returns (ok, reason)."""
     try:
         import liburing as L
     except Exception as e:  # pragma: no cover - import failure is environment specific
         return False, f"liburing not importable: {e}"
     if os.environ.get("KVCACHE_DISABLE_IO_URING") == "1":
         return False, "disabled by KVCACHE_DISABLE_IO_URING=1"
+    ok, why = _child_probe()
+    if not ok:
+        return False, why
     ring = L.Ring()
     try:
         rc = L.io_uring_queue_init(2, ring, 0)

@@ -57,12 +57,14 @@ class PyKVCacheWorkerMetadata(OffloadingWorkerMetadata):
     """vLLM's worker -> scheduler metadata plus failed keys and counter deltas.
 
     ``aggregate`` (vLLM's KVOutputAggregator, across TP workers) unions the failed keys
-    and sums the counters and the per-key count of ranks that staged a preloaded key.
+    and sums the counters, the per-key count of ranks that staged a preloaded key, and
+    the per-key count of ranks whose write-back from a DRAM-tier slot ended (``written``).
     """
 
     failed_keys: set[bytes] = field(default_factory=set)
     counters: dict[str, int] = field(default_factory=dict)
     staged: dict[bytes, int] = field(default_factory=dict)
+    written: dict[bytes, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         base = OffloadingWorkerMetadata.aggregate(self, other)
@@ -70,15 +72,17 @@ class PyKVCacheWorkerMetadata(OffloadingWorkerMetadata):
         failed = set(self.failed_keys)
         counters = dict(self.counters)
         staged = dict(self.staged)
+        written = dict(self.written)
         if isinstance(other, PyKVCacheWorkerMetadata):
             failed |= other.failed_keys
-            for k, v in other.counters.items():
-                counters[k] = counters.get(k, 0) + v
-            for k, v in other.staged.items():
-                staged[k] = staged.get(k, 0) + v
+            for mine, theirs in ((counters, other.counters), (staged, other.staged),
+                                 (written, other.written)):
+                for k, v in theirs.items():
+                    mine[k] = mine.get(k, 0) + v
         return PyKVCacheWorkerMetadata(completed_jobs=base.completed_jobs,
                                        transfer_stats=base.transfer_stats,
-                                       failed_keys=failed, counters=counters, staged=staged)
+                                       failed_keys=failed, counters=counters, staged=staged,
+                                       written=written)
 
 
 def _full_attention(spec: KVCacheSpec) -> bool:
@@ -365,14 +369,16 @@ class OffloadingConnector(_VllmOffloadingConnector):
             return meta
         failed, counters = w.take_report()
         staged = dict.fromkeys(w.take_staged(), 1)
-        if meta is None and not failed and not counters and not staged:
+        written = dict.fromkeys(w.take_written(), 1)
+        if meta is None and not failed and not counters and not staged and not written:
             return None
         if meta is None:
             meta = OffloadingWorkerMetadata()
         assert isinstance(meta, OffloadingWorkerMetadata)
         return PyKVCacheWorkerMetadata(completed_jobs=meta.completed_jobs,
                                        transfer_stats=meta.transfer_stats,
-                                       failed_keys=failed, counters=counters, staged=staged)
+                                       failed_keys=failed, counters=counters, staged=staged,
+                                       written=written)
 
     # ------------------------------------------------------------------ scheduler role
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -381,5 +387,5 @@ class OffloadingConnector(_VllmOffloadingConnector):
         if isinstance(meta, PyKVCacheWorkerMetadata) and cs is not None:
             on_report = getattr(cs.manager, "on_worker_report", None)
             if on_report is not None:
-                on_report(meta.failed_keys, meta.counters, meta.staged)
+                on_report(meta.failed_keys, meta.counters, meta.staged, meta.written)
         super().update_connector_output(connector_output)

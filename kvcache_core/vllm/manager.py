@@ -17,6 +17,14 @@ belongs to that job until vLLM calls :meth:`complete_store` / :meth:`complete_lo
 it is retained as CACHED (valid bytes for its key) or freed. A CACHED slot is pinned
 while a DRAM-hit load reads it. Keys whose store is in flight are a MISS.
 
+Write-back: a stored chunk with a DRAM-tier slot is copied there and written to disk
+from there in the background (the store job completes once copied). Its slot is kept
+CACHED and pinned from :meth:`complete_store` until every worker reported the write ended
+(``written`` in :meth:`on_worker_report`, which may also come first), so the slot is
+never reclaimed for another key while its file is still being written from it. When
+every slot is pinned that way, new stores get no slot and go through the workers'
+staging pools, where they are dropped if none is free (counted, never waited for).
+
 Failed loads (a missing or corrupt file, an invalid DRAM slot) are reported by the
 workers through :class:`~kvcache_core.vllm.connector.PyKVCacheWorkerMetadata` and
 arrive in :meth:`on_worker_report` BEFORE the job's :meth:`complete_load`, so a promotion
@@ -68,6 +76,8 @@ MANAGER_COUNTERS: dict[str, str] = {
     "promotions": "Disk chunks loaded into a DRAM-tier slot (kept there on success).",
     "stores": "Chunks stored (written through to disk).",
     "stores_dram": "Stored chunks that also went into a DRAM-tier slot.",
+    "stores_no_dram_slot": "Chunks stored without a DRAM-tier slot because every slot was "
+    "busy or pinned by a pending disk write (write-back back-pressure).",
     "stores_skipped": "Chunks not stored because they are already cached or in flight.",
     "stores_skipped_gate": "Chunks not stored because the break-even table says disk loads "
     "never pay off on this node and the DRAM tier had no slot (disk writes off).",
@@ -93,6 +103,10 @@ WORKER_COUNTERS: dict[str, str] = {
     "stores_existing": "Worker: stores skipped because the file already existed.",
     "stores_dropped_enospc": "Worker: stores dropped because the disk was full.",
     "stores_dropped_capacity": "Worker: stores dropped by the max_disk_bytes bound.",
+    "stores_dropped_backpressure": "Worker: chunks not stored because no host memory was "
+    "free for their device copy right then (stores never wait for the disk).",
+    "ext_slot_waits": "Worker: tasks that waited for a DRAM-tier slot still being written "
+    "from (0 unless the scheduler's write-back pinning is bypassed).",
     "store_errors": "Worker: stores dropped by other write errors.",
     "bytes_read": "Worker: bytes read from disk.",
     "bytes_written": "Worker: bytes written to disk.",
@@ -131,6 +145,10 @@ class PyKVCacheManager(OffloadingManager):
         self._slot_key: list[OffloadKey | None] = [None] * n_dram  # key retained in slot
         self._owner = itertools.count(1)
         self._storing: dict[OffloadKey, int] = {}  # key -> DRAM slot (-1: none) in flight
+        # write-back: key -> ranks that reported its disk write ended (keys storing or
+        # pinned only), and key -> its DRAM slot, pinned until all ranks reported
+        self._wb_done: dict[OffloadKey, int] = {}
+        self._wb_pinned: dict[OffloadKey, int] = {}
         # (req_id, key) -> (dram slot or -1, "pin" | "promote" | "disk") for loads in flight
         self._loading: dict[tuple[str, OffloadKey], tuple[int, str]] = {}
         self._loading_refs: collections.Counter[OffloadKey] = collections.Counter()
@@ -400,6 +418,8 @@ class PyKVCacheManager(OffloadingManager):
             self.counters["stores"] += 1
             if slot >= 0:
                 self.counters["stores_dram"] += 1
+            elif self.dram is not None:
+                self.counters["stores_no_dram_slot"] += 1
         for slot in pinned:
             assert self.dram is not None
             self.dram.unpin(slot)
@@ -417,10 +437,18 @@ class PyKVCacheManager(OffloadingManager):
             stored.append(key)
             if success and self._bad:
                 self._bad.pop(key, None)  # freshly written: no longer a known-bad block
+            written = self._wb_done.pop(key, 0)
             if slot >= 0:
                 assert self.dram is not None
                 if success:
                     self._retain(slot, key)
+                    # still being written to disk from this slot: keep it pinned
+                    if (self.disk_stores and written < self.n_ranks
+                            and self.dram.lookup(key) == slot):
+                        self.dram.pin(key, touch=False)
+                        self._wb_pinned[key] = slot
+                        if written:
+                            self._wb_done[key] = written
                 else:
                     self.dram.release(slot)
         if self._events_on and stored and success:
@@ -438,6 +466,8 @@ class PyKVCacheManager(OffloadingManager):
             self.dram = SlotAllocator(self.n_dram, retain=True, policy=self._policy)
         self._slot_key = [None] * self.n_dram
         self._storing.clear()
+        self._wb_done.clear()
+        self._wb_pinned.clear()
         self._loading.clear()
         self._loading_refs.clear()
         self._failed.clear()
@@ -445,10 +475,14 @@ class PyKVCacheManager(OffloadingManager):
 
     # ------------------------------------------------------------------ worker reports
     def on_worker_report(self, failed_keys: Iterable[bytes], counters: dict[str, int],
-                         staged: Mapping[bytes, int] | None = None) -> None:
-        """Failed chunk keys, counter deltas and preloaded keys (key -> number of ranks
-        that staged it) from the workers (called by the connector before vLLM processes
-        the same step's job completions)."""
+                         staged: Mapping[bytes, int] | None = None,
+                         written: Mapping[bytes, int] | None = None) -> None:
+        """Failed chunk keys, counter deltas, preloaded keys (key -> number of ranks
+        that staged it) and written keys (key -> number of ranks whose disk write from
+        the key's DRAM-tier slot ended) from the workers (called by the connector before
+        vLLM processes the same step's job completions)."""
+        if written:
+            self._on_written(written)
         if staged:
             until = time.monotonic() + STAGED_TTL_S
             for k, n in staged.items():
@@ -480,6 +514,27 @@ class PyKVCacheManager(OffloadingManager):
         if counters or failed_keys:
             self._maybe_export()
 
+    def _on_written(self, written: Mapping[bytes, int]) -> None:
+        """Count the ranks that finished writing each key; unpin its DRAM slot once all
+        did. A report may arrive before the job's ``complete_store`` (then it is kept
+        until then); reports for keys neither storing nor pinned are stale (reset)."""
+        dram = self.dram
+        for k, n in written.items():
+            key = OffloadKey(k)
+            slot = self._wb_pinned.get(key)
+            if slot is None:
+                if key in self._storing:
+                    self._wb_done[key] = self._wb_done.get(key, 0) + n
+                continue
+            done = self._wb_done.get(key, 0) + n
+            if done < self.n_ranks:
+                self._wb_done[key] = done
+                continue
+            self._wb_done.pop(key, None)
+            del self._wb_pinned[key]
+            if dram is not None:
+                dram.unpin(slot)
+
     def _maybe_export(self) -> None:
         """Write the counters to ``$KVCACHE_STATS_FILE`` (JSON, atomically replaced) after
         every worker report; used by ``make run`` and the benchmarks (unset: no-op)."""
@@ -501,6 +556,7 @@ class PyKVCacheManager(OffloadingManager):
         out.update(self.extra_counters)
         out["dram_slots"] = self.n_dram
         out["dram_cached"] = self.dram.cached if self.dram is not None else 0
+        out["dram_writeback_pinned"] = len(self._wb_pinned)
         return out
 
     def get_stats(self) -> OffloadingConnectorStats | None:

@@ -264,8 +264,9 @@ class KVCopier(Copier):
     ``to_device`` issues ALL chunks that became ready in one reactor iteration as one
     batch; chunks read from a DRAM-tier slot are validated first (header magic, key,
     geometry; no payload hash), and a refused chunk is marked ``ref.failed`` and not
-    copied. ``from_device`` copies one chunk for a store (the reactor then writes the slot
-    header, DRAM-tier slots included, so a retained slot always holds header + payload).
+    copied. ``from_device_batch`` copies all chunks of one store job in one call (the
+    reactor then writes the slot headers, DRAM-tier slots included, so a retained slot
+    always holds header + payload).
     """
 
     def __init__(self, pool: StagingPool, offset: int, *, geometry: KVGeometry,
@@ -307,6 +308,21 @@ class KVCopier(Copier):
         # slots whose file already exists), so nothing to do here but the copy.
         ops = self.g.batch_ops((ref,), (slot * self.slot_bytes + HEADER_BYTES,))
         return self._run(ops, to_device=False, after=ref.after, slot=slot)
+
+    def from_device_batch(self, slots: list[int], srcs: list[Any], nbytes: list[int]) -> Any:
+        """All chunks of one store job in ONE copy call (one descriptor build, one
+        ``swap_blocks_batch``) on one store stream that waits on the job's producer
+        event(s); the reactor writes the slot headers once it is done."""
+        refs: list[ChunkRef] = srcs
+        sb = self.slot_bytes
+        ops = self.g.batch_ops(refs, [s * sb + HEADER_BYTES for s in slots])
+        after = refs[0].after
+        if any(r.after is not after for r in refs):  # pragma: no cover - one event per job
+            after = list({id(r.after): r.after for r in refs if r.after is not None}.values())
+        return self._run(ops, to_device=False, after=after, slot=slots[0])
+
+    def store_done(self, handle: Any) -> bool:
+        return self.done(handle)
 
     def done(self, handle: Any) -> bool:
         if handle is None:
@@ -350,10 +366,10 @@ class _CudaExec:
     """CUDA execution of copy descriptors (cannot run on the CPU-only CI machine).
 
     Loads: one ``swap_blocks_batch`` (cuMemcpyBatchAsync) per batch on a dedicated load
-    stream. Stores: one call per chunk on a store stream chosen by slot, which first waits
-    on the event recorded on the compute stream when vLLM submitted the store (no
-    device-wide sync). Without vLLM's op: per-descriptor ``copy_(non_blocking=True)`` on
-    those streams.
+    stream. Stores: one call per store job (all its chunks) on a store stream chosen by
+    its first slot, which first waits on the event recorded on the compute stream when
+    vLLM submitted the store (no device-wide sync). Without vLLM's op: per-descriptor
+    ``copy_(non_blocking=True)`` on those streams.
     """
 
     def __init__(self, geometry: KVGeometry, pool_t: torch.Tensor) -> None:
@@ -394,7 +410,10 @@ class _CudaExec:
                   else self.store_streams[slot % len(self.store_streams)])
         keep: Any = None
         with torch.cuda.device(self.dev), torch.cuda.stream(stream):
-            if after is not None:
+            if isinstance(after, list):
+                for ev in after:
+                    stream.wait_event(ev)
+            elif after is not None:
                 stream.wait_event(after)
             if self.swap is not None:
                 kv_ptr = torch.from_numpy(self.kv_base[tix] + kvo)

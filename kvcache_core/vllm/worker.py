@@ -16,10 +16,14 @@ that job (reactor side) until the job completes; then the worker may zero the he
 a slot whose load failed, so an invalid slot can never be served as a DRAM hit.
 
 Store jobs are reported to vLLM when their device copies are done (the reactor's
-``early_store_ack``): vLLM then may reuse the GPU blocks, and the scheduler the job's
-DRAM-tier slots, while the files are still being written (the reactor makes a later task
-that would overwrite such a slot wait for the write). A key whose write later fails is
-simply not on disk (a later lookup misses).
+``early_store_ack``), and those copies never wait for the disk (``store_policy="drop"``):
+a chunk goes into its DRAM-tier slot (the write-back buffer) or a staging slot free right
+now, else it is dropped and counted (``stores_dropped_backpressure``). vLLM then may
+reuse the GPU blocks while the files are still being written. The scheduler keeps a
+DRAM-tier slot pinned until this worker reports its key written (:meth:`take_written`),
+so it never hands that slot to another key meanwhile (the reactor would make that task
+wait; ``ext_slot_waits`` counts it, 0 in normal operation). A key whose write later
+fails or is dropped is simply not on disk (a later lookup misses).
 
 Failures: vLLM asserts that every ``TransferResult`` succeeds, so every job is reported
 successful; the GPU blocks of chunks that failed to load are reported through
@@ -96,7 +100,8 @@ class PyKVCacheWorker(OffloadingWorker):
                                          n_staging=pool.n_staging),
                 verify=storage.verify_checksum, on_complete=self._on_complete,
                 name=f"kvcache-reactor-r{rank}",
-                trace=bool(os.environ.get("KVCACHE_TRACE")), early_store_ack=True)
+                trace=bool(os.environ.get("KVCACHE_TRACE")), early_store_ack=True,
+                store_policy="drop")
         except BaseException:
             self.layout.close()
             raise
@@ -114,6 +119,11 @@ class PyKVCacheWorker(OffloadingWorker):
         self._preloads: dict[tuple[str, int], list[bytes]] = {}
         #: keys a preload staged since the last :meth:`take_staged`
         self._staged_keys: list[bytes] = []
+        #: store job id -> keys it copied into DRAM-tier slots and writes to disk from
+        #: there, until the job's files are all written (or dropped)
+        self._writeback: dict[int, list[bytes]] = {}
+        #: keys whose write-back from a DRAM-tier slot ended since :meth:`take_written`
+        self._written_keys: list[bytes] = []
         # Diagnostics (model-runner thread only): seconds this thread spent inside our
         # calls, and the submit -> completion latency of load jobs. Plain float adds.
         self.timing = {"main_submit_store_s": 0.0, "main_submit_load_s": 0.0,
@@ -152,6 +162,11 @@ class PyKVCacheWorker(OffloadingWorker):
             ext = self.n_staging + slot if slot >= 0 else -1
             items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext, flag))
         self._jobs[job_id] = _Job(False, refs, list(dst_spec.dram_slots), self._gpu_bytes(refs))
+        if not dst_spec.no_disk:
+            wb = [k for k, slot in zip(dst_spec.keys, dst_spec.dram_slots, strict=True)
+                  if slot >= 0]
+            if wb:
+                self._writeback[job_id] = wb
         self.reactor.store(job_id, items)
         self.timing["main_submit_store_s"] += time.perf_counter() - t0
         return True
@@ -193,6 +208,10 @@ class PyKVCacheWorker(OffloadingWorker):
     # ------------------------------------------------------------------ completions
     def _drain(self) -> None:
         for c in self.reactor.poll():
+            if c.kind == "store":  # every file of the job written (or dropped)
+                wb = self._writeback.pop(c.req_id, None)
+                if wb:
+                    self._written_keys.extend(wb)
             job = self._jobs.pop(c.req_id, None)
             if job is None:  # a preload, or the final "store" of a job acknowledged early
                 keys = self._preloads.pop(c.req_id, None)
@@ -264,6 +283,8 @@ class PyKVCacheWorker(OffloadingWorker):
                     stores_existing=s.stores_existing,
                     stores_dropped_enospc=s.stores_dropped_enospc,
                     stores_dropped_capacity=s.stores_dropped_capacity,
+                    stores_dropped_backpressure=s.stores_dropped_backpressure,
+                    ext_slot_waits=s.ext_slot_waits,
                     store_errors=s.stores_error, bytes_read=s.bytes_read,
                     bytes_written=s.bytes_written, disk_evicted_files=ls.evicted_files,
                     preloads_staged=s.preload_staged, preloads_claimed=s.preload_claimed,
@@ -287,6 +308,13 @@ class PyKVCacheWorker(OffloadingWorker):
         """Keys that preloads staged (or found already staged) since the last call, for
         the scheduler's queue-aware gate (sent in the connector's worker metadata)."""
         out, self._staged_keys = self._staged_keys, []
+        return out
+
+    def take_written(self) -> list[bytes]:
+        """Keys whose disk write from a DRAM-tier slot ended (published, or dropped) since
+        the last call, for the scheduler: it keeps such a slot pinned until then, so a
+        slot is never handed to another key while its file is being written from it."""
+        out, self._written_keys = self._written_keys, []
         return out
 
     def stats(self) -> dict[str, Any]:

