@@ -72,9 +72,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ALL_CONFIGS = ["prefix_cache", "native_cpu", "native_fs", "kvcache_dram", "kvcache_disk"]
 BASELINE = "prefix_cache"
 #: py-kvcache counters copied into a result row (when the stats file exists)
-COUNTERS = ("stores", "stores_dram", "stores_dropped_backpressure", "stores_skipped",
-            "stores_written", "hits_dram", "hits_disk", "misses", "bytes_written",
-            "bytes_read", "load_failures")
+COUNTERS = ("stores", "stores_dram", "stores_dropped_backpressure", "stores_no_dram_slot",
+            "stores_skipped", "stores_written", "stores_existing", "stores_dropped_capacity",
+            "stores_dropped_enospc", "ext_slot_waits", "hits_dram", "hits_disk", "misses",
+            "bytes_written", "bytes_read", "load_failures", "disk_evicted_files")
 USER_ROLES = {"human", "user"}
 ASSISTANT_ROLES = {"gpt", "chatgpt", "bard", "bing", "assistant"}
 

@@ -1,7 +1,8 @@
 """I/O engines and the probes that choose them.
 
 :func:`make_engine` returns an io_uring engine when the kernel allows it (and liburing
-runs here: probed in a child process first), else the POSIX fallback with ONE warning. :func:`probe_direct` decides per root whether O_DIRECT works.
+runs here: probed in a child process first), else the POSIX fallback with ONE warning.
+:func:`probe_direct` decides per root whether O_DIRECT works.
 """
 
 from __future__ import annotations

@@ -309,6 +309,30 @@ class KVCopier(Copier):
         ops = self.g.batch_ops((ref,), (slot * self.slot_bytes + HEADER_BYTES,))
         return self._run(ops, to_device=False, after=ref.after, slot=slot)
 
+    def load_direct(self, slots: list[int], refs: list[ChunkRef]) -> Any:
+        """DRAM-tier hits copied to the device WITHOUT the reactor: the worker's
+        model-runner thread is the only caller (its own stream, no shared scratch).
+        ``slots`` are pool slots holding the chunks; a slot whose header does not hold its
+        chunk is marked ``ref.failed`` and skipped. Returns a handle for :meth:`done` /
+        :meth:`sync` (None when nothing was issued or the copy was synchronous)."""
+        sb = self.slot_bytes
+        good, bases = [], []
+        for slot, ref in zip(slots, refs, strict=True):
+            if not self._slot_valid(slot, ref.key, self.g.payload_bytes(ref.group)):
+                ref.failed = True
+                continue
+            good.append(ref)
+            bases.append(slot * sb + HEADER_BYTES)
+        if not good:
+            return None
+        return self._run(self.g.batch_ops(good, bases), to_device=True, after=None, slot=-1,
+                         direct=True)
+
+    def sync(self, handle: Any) -> None:
+        """Block until a copy handle is done (any thread)."""
+        if handle is not None:
+            handle.event.synchronize()
+
     def from_device_batch(self, slots: list[int], srcs: list[Any], nbytes: list[int]) -> Any:
         """All chunks of one store job in ONE copy call (one descriptor build, one
         ``swap_blocks_batch``) on one store stream that waits on the job's producer
@@ -348,9 +372,10 @@ class KVCopier(Copier):
         return True
 
     def _run(self, ops: tuple[np.ndarray, ...], *, to_device: bool, after: Any,
-             slot: int) -> Any:
+             slot: int, direct: bool = False) -> Any:
         if self._cx is not None:
-            return self._cx.run(ops, to_device=to_device, after=after, slot=slot)
+            return self._cx.run(ops, to_device=to_device, after=after, slot=slot,
+                                direct=direct)
         tix, kvo, plo, szs = (a.tolist() for a in ops)
         kv, pool = self.g.flat, self._pool_t
         if to_device:
@@ -379,6 +404,8 @@ class _CudaExec:
         self.pool_base = pool_t.data_ptr()
         self.kv_base = np.array([f.data_ptr() for f in geometry.flat], dtype=np.int64)
         self.load_stream = torch.cuda.Stream(self.dev)
+        #: DRAM-hit jobs issued by the worker thread (KVCopier.load_direct)
+        self.direct_stream = torch.cuda.Stream(self.dev)
         # Store copies of different slots run on different streams (each waits only on
         # its own producer event); a small fixed set, not one per slot: the DRAM tier can
         # have hundreds of slots.
@@ -397,7 +424,7 @@ class _CudaExec:
                         "per-block copies")
 
     def run(self, ops: tuple[np.ndarray, ...], *, to_device: bool, after: Any,
-            slot: int) -> _CudaHandle:  # pragma: no cover - needs CUDA
+            slot: int, direct: bool = False) -> _CudaHandle:  # pragma: no cover - needs CUDA
         tix, kvo, plo, szs = ops
         if not getattr(self._tls, "bound", False):
             # The reactor thread's first CUDA call may be vLLM's driver-API batch copy
@@ -406,7 +433,7 @@ class _CudaExec:
             torch.cuda.set_device(self.dev)
             torch.cuda.current_stream(self.dev).query()
             self._tls.bound = True
-        stream = (self.load_stream if to_device
+        stream = (self.direct_stream if direct else self.load_stream if to_device
                   else self.store_streams[slot % len(self.store_streams)])
         keep: Any = None
         with torch.cuda.device(self.dev), torch.cuda.stream(stream):

@@ -25,6 +25,13 @@ so it never hands that slot to another key meanwhile (the reactor would make tha
 wait; ``ext_slot_waits`` counts it, 0 in normal operation). A key whose write later
 fails or is dropped is simply not on disk (a later lookup misses).
 
+DRAM hits: a load job whose chunks are ALL in the DRAM tier (vLLM's job for a request
+whose prefix is DRAM-resident) does not go through the reactor: this thread checks each
+slot's header and issues ONE batched device copy on its own stream
+(:meth:`KVCopier.load_direct`), and :meth:`get_finished` reports the job once that copy's
+event has completed, as vLLM's native CPU offload does. No thread hop, no per-chunk
+reactor task. Jobs that need the disk for any chunk go through the reactor.
+
 Failures: vLLM asserts that every ``TransferResult`` succeeds, so every job is reported
 successful; the GPU blocks of chunks that failed to load are reported through
 :meth:`take_invalid_block_ids` (the connector's ``get_block_ids_with_load_errors``) in
@@ -106,6 +113,13 @@ class PyKVCacheWorker(OffloadingWorker):
             self.layout.close()
             raise
         self._jobs: dict[int, _Job] = {}
+        #: the reactor's copier; :meth:`KVCopier.load_direct` is its one method that this
+        #: (model-runner) thread may call
+        self.copier: KVCopier = self.reactor.copier  # type: ignore[assignment]
+        #: load jobs served entirely from the DRAM tier: job id -> copy handle
+        self._direct: dict[int, Any] = {}
+        #: serve all-DRAM load jobs on this thread (False: through the reactor; tests)
+        self.direct_dram = os.environ.get("KVCACHE_DIRECT_DRAM", "1") != "0"
         self._results: list[TransferResult] = []
         self._invalid: set[int] = set()
         self._failed_keys: set[bytes] = set()
@@ -177,6 +191,16 @@ class PyKVCacheWorker(OffloadingWorker):
         assert isinstance(src_spec, PyKVLoadSpec), type(src_spec)
         t0 = time.perf_counter()
         refs = self.kv.split(dst_spec, src_spec.keys)
+        if self.direct_dram and refs and all(f & IN_SLOT for f in src_spec.flags):
+            # every chunk is a DRAM hit: no disk, so no reactor either (see module doc)
+            for ref in refs:
+                ref.check_header = True
+            slots = [self.n_staging + s for s in src_spec.dram_slots]
+            self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots),
+                                      self._gpu_bytes(refs), t0)
+            self._direct[job_id] = self.copier.load_direct(slots, refs)
+            self.timing["main_submit_load_s"] += time.perf_counter() - t0
+            return True
         items = []
         for ref, slot, flag in zip(refs, src_spec.dram_slots, src_spec.flags, strict=True):
             ext = self.n_staging + slot if slot >= 0 else -1
@@ -207,6 +231,8 @@ class PyKVCacheWorker(OffloadingWorker):
 
     # ------------------------------------------------------------------ completions
     def _drain(self) -> None:
+        if self._direct:
+            self._drain_direct()
         for c in self.reactor.poll():
             if c.kind == "store":  # every file of the job written (or dropped)
                 wb = self._writeback.pop(c.req_id, None)
@@ -220,26 +246,41 @@ class PyKVCacheWorker(OffloadingWorker):
                                              if ok)
                 continue
             if job.is_load:
-                lat = time.perf_counter() - job.t0
-                tm = self.timing
-                tm["load_jobs"] += 1
-                tm["load_job_latency_sum_s"] += lat
-                if lat > tm["load_job_latency_max_s"]:
-                    tm["load_job_latency_max_s"] = lat
-                for i, ref in enumerate(job.refs):
-                    slot = job.dram_slots[i]
-                    if c.ok[i] and not ref.failed:
-                        self.counters["chunks_loaded_dram" if ref.check_header
-                                      else "chunks_loaded_disk"] += 1
-                        continue
-                    self.counters["chunks_failed"] += 1
-                    if ref.check_header:
-                        self.counters["dram_invalid"] += 1
-                    self._invalid.update(int(b) for b in ref.gpu_ids)
-                    self._failed_keys.add(bytes(ref.key))
-                    if slot >= 0:  # never serve this slot's bytes again
-                        self.reactor.pool.views[self.n_staging + slot][:8] = bytes(8)
+                self._load_done(job, c.ok)
             self._results.append(TransferResult(c.req_id, True, job.gpu_bytes,
+                                                time.perf_counter() - job.t0))
+
+    def _load_done(self, job: _Job, ok: list[bool] | None) -> None:
+        """Counters and failure bookkeeping of a finished load job (``ok`` per chunk from
+        the reactor; None: the direct DRAM path, where only ``ref.failed`` tells)."""
+        lat = time.perf_counter() - job.t0
+        tm = self.timing
+        tm["load_jobs"] += 1
+        tm["load_job_latency_sum_s"] += lat
+        if lat > tm["load_job_latency_max_s"]:
+            tm["load_job_latency_max_s"] = lat
+        for i, ref in enumerate(job.refs):
+            slot = job.dram_slots[i]
+            if (ok is None or ok[i]) and not ref.failed:
+                self.counters["chunks_loaded_dram" if ref.check_header
+                              else "chunks_loaded_disk"] += 1
+                continue
+            self.counters["chunks_failed"] += 1
+            if ref.check_header:
+                self.counters["dram_invalid"] += 1
+            self._invalid.update(int(b) for b in ref.gpu_ids)
+            self._failed_keys.add(bytes(ref.key))
+            if slot >= 0:  # never serve this slot's bytes again
+                self.reactor.pool.views[self.n_staging + slot][:8] = bytes(8)
+
+    def _drain_direct(self) -> None:
+        """Finish the direct DRAM-hit jobs whose device copy is done (worker thread)."""
+        done = [j for j, h in self._direct.items() if self.copier.done(h)]
+        for j in done:
+            del self._direct[j]
+            job = self._jobs.pop(j)
+            self._load_done(job, None)
+            self._results.append(TransferResult(j, True, job.gpu_bytes,
                                                 time.perf_counter() - job.t0))
 
     def get_finished(self) -> list[TransferResult]:
@@ -257,6 +298,10 @@ class PyKVCacheWorker(OffloadingWorker):
         self.timing["main_wait_calls"] += 1
         try:
             while True:
+                for j in job_ids:
+                    h = self._direct.get(j)
+                    if h is not None:
+                        self.copier.sync(h)
                 with self._cv:
                     gen = self._gen
                 self._drain()

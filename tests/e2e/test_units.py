@@ -312,6 +312,9 @@ def test_worker_store_load_dram_and_disk(worker):
     assert torch.equal(ts[0][25], orig[0][9])
     st = w.stats()["reactor"]
     assert st["bytes_read"] == 2 * w.layout.ns.file_bytes
+    # jobs 5 and 7 were all DRAM hits: served on this thread, never through the reactor
+    # (job 3 mixed a DRAM hit with a disk chunk: the reactor served its DRAM chunk)
+    assert st["loads_dram"] == 1 and w.stats()["chunks_loaded_dram"] == 3
 
 
 def test_worker_load_failures_are_reported_and_slots_invalidated(worker):
