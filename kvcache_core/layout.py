@@ -58,6 +58,8 @@ MAX_KEY_BYTES = 64
 # payload xxh3-64, header xxh3-64 (over everything before it)
 HEADER_FMT = struct.Struct(f"<8sIIQQ16sH{MAX_KEY_BYTES}sQ")
 HEADER_HASH = struct.Struct("<Q")
+#: byte offset of the payload checksum (the last field of HEADER_FMT)
+_DIGEST_OFF = HEADER_FMT.size - 8
 TMP_PREFIX = ".tmp."
 
 
@@ -272,11 +274,14 @@ class Layout(LayoutIndex):
         return f"{d}/{TMP_PREFIX}{self._tag}.{next(self._tmp_counter)}", final
 
     # ------------------------------------------------------------------ header
-    def fill_header(self, slot: memoryview, key: bytes, payload_len: int) -> int:
+    def fill_header(self, slot: memoryview, key: bytes, payload_len: int,
+                    digest: bool = True) -> int:
         """Write the header for the payload already in ``slot[HEADER_BYTES:]``.
 
         Returns the number of bytes to write (header + padded payload). The slot is
-        owned by the caller; nothing is kept.
+        owned by the caller; nothing is kept. ``digest=False`` leaves the payload checksum
+        0 (a DRAM-tier slot not yet written to disk: its identity fields are final, see
+        :meth:`check_identity`); :meth:`seal_header` adds it before a file is written.
         """
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"key longer than {MAX_KEY_BYTES} bytes")
@@ -286,12 +291,41 @@ class Layout(LayoutIndex):
         pad = total - HEADER_BYTES - payload_len
         if pad:
             slot[HEADER_BYTES + payload_len: total] = bytes(pad)
-        digest = xxhash.xxh3_64_intdigest(slot[HEADER_BYTES: HEADER_BYTES + payload_len])
+        dg = (xxhash.xxh3_64_intdigest(slot[HEADER_BYTES: HEADER_BYTES + payload_len])
+              if digest else 0)
         HEADER_FMT.pack_into(slot, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, payload_len,
-                             self.ns.block_bytes, self._ns_digest, len(key), key, digest)
+                             self.ns.block_bytes, self._ns_digest, len(key), key, dg)
         hh = xxhash.xxh3_64_intdigest(slot[: HEADER_FMT.size])
         HEADER_HASH.pack_into(slot, HEADER_FMT.size, hh)
         return total
+
+    def seal_header(self, slot: memoryview, payload_len: int) -> None:
+        """Compute the payload checksum of a header written with ``digest=False`` and
+        rewrite ONLY the checksum field and the header hash (the identity fields that a
+        concurrent :meth:`check_identity` reads never change)."""
+        dg = xxhash.xxh3_64_intdigest(slot[HEADER_BYTES: HEADER_BYTES + payload_len])
+        struct.pack_into("<Q", slot, _DIGEST_OFF, dg)
+        hh = xxhash.xxh3_64_intdigest(slot[: HEADER_FMT.size])
+        HEADER_HASH.pack_into(slot, HEADER_FMT.size, hh)
+
+    def check_identity(self, slot: memoryview, key: bytes) -> int:
+        """Whether a DRAM-tier slot holds ``key``'s block of this namespace: magic,
+        version, geometry and key (not the header hash nor the payload checksum, which
+        :meth:`seal_header` may be rewriting meanwhile). Returns the payload length;
+        raises :class:`CorruptBlock` otherwise."""
+        (magic, ver, hdr_bytes, payload_len, block_bytes, nsd, klen, kbytes,
+         _digest) = HEADER_FMT.unpack_from(slot, 0)
+        if magic != MAGIC:
+            raise CorruptBlock("bad magic")
+        if ver != FORMAT_VERSION or hdr_bytes != HEADER_BYTES:
+            raise CorruptBlock(f"format version {ver} not supported")
+        if nsd != self._ns_digest or block_bytes != self.ns.block_bytes:
+            raise CorruptBlock("header geometry does not match this namespace")
+        if kbytes[:klen] != key:
+            raise CorruptBlock("key mismatch")
+        if payload_len > self.ns.block_bytes:
+            raise CorruptBlock("payload longer than a block")
+        return payload_len
 
     def check_block(self, slot: memoryview, nread: int, key: bytes, verify: bool = True) -> int:
         """Validate a file read into ``slot`` (``nread`` bytes). Returns the payload length.

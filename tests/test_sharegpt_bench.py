@@ -383,6 +383,21 @@ def test_disk_janitor_deletes_oldest_files(tmp_path):
     assert (root / "config.json").exists()
 
 
+def test_server_that_fails_to_start_gives_an_error_row(tmp_path, monkeypatch):
+    """A server that exits at once: an error row with the log path, no exception, the
+    configuration's cache root wiped."""
+    monkeypatch.setattr(S, "server_cmd", lambda *a: [
+        sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"])
+    args = SimpleNamespace(root=str(tmp_path), work=str(tmp_path / "work"), timeout=30,
+                           port=_free_port(), rate=32.0, seed=0, settle=0.0)
+    os.makedirs(args.work)
+    (tmp_path / "kvcache_disk").mkdir()
+    row = S.run_config(args, "kvcache_disk", 0, [], "/nonexistent", "m")
+    assert row["config"] == "kvcache_disk" and "exited with code 3" in row["error"]
+    assert "no such model" in open(row["server_log"]).read()
+    assert not (tmp_path / "kvcache_disk").exists()
+
+
 # ---------------------------------------------------------------- end to end (vLLM, CPU)
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,

@@ -600,8 +600,9 @@ def server_cmd(args, cfg: str, model_dir: str, name: str) -> list[str]:
     return cmd
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a non-zombie process of process group ``pgid`` is left."""
+def _group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -611,20 +612,44 @@ def _group_alive(pgid: int) -> bool:
         except (OSError, IndexError):
             continue
         if int(rest[2]) == pgid and rest[0] != "Z":
-            return True
-    return False
+            out.append(int(pid))
+    return out
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def _shm_files(pids: list[int]) -> set[str]:
+    """Files under /dev/shm mapped by ``pids`` (vLLM's shared-memory queues, native CPU
+    offload's mmap region): a killed server leaves them behind, holding host memory."""
+    out: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                        out.add(parts[5].strip().removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return out
+
+
+def kill_group(proc: subprocess.Popen) -> int:
     """SIGKILL the server's whole process group (an orphaned engine core keeps its GPU
-    memory) and wait until none of it is left."""
+    memory), wait until none of it is left, and remove the shared-memory files it had
+    mapped. Returns the number of those files removed."""
+    shm = _shm_files(_group_pids(proc.pid))
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=30)
     end = time.monotonic() + 30
-    while _group_alive(proc.pid) and time.monotonic() < end:
+    while _group_pids(proc.pid) and time.monotonic() < end:
         time.sleep(0.2)
+    removed = 0
+    for path in shm:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed += 1
+    return removed
 
 
 def wait_health(port: int, proc: subprocess.Popen, deadline: float) -> str | None:
@@ -770,7 +795,7 @@ def run_config(args, cfg: str, rnd: int, reqs: list[dict], model_dir: str,
                if c else ""))
         return row
     finally:
-        kill_group(proc)
+        row["shm_files_removed"] = kill_group(proc)
         if janitor is not None:
             janitor.stop()
             row["fs_janitor_deleted_files"] = janitor.deleted_files

@@ -359,8 +359,7 @@ class KVCopier(Copier):
     # ------------------------------------------------------------------ internals
     def _slot_valid(self, slot: int, key: bytes, need: int) -> bool:
         try:
-            n = self.layout.check_block(self.pool.views[slot], self.slot_bytes, key,
-                                        verify=False)
+            n = self.layout.check_identity(self.pool.views[slot], key)
         except CorruptBlock as e:
             self.header_failures += 1
             log.warning("py-kvcache: DRAM slot %d does not hold a valid block for its key "

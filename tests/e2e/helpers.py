@@ -190,6 +190,15 @@ def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+#: Logprob tolerance where a full prefill is compared with a cached-prefix prefill across
+#: tensor-parallel CPU workers: vLLM's CPU fallback kernels (torch linear where oneDNN
+#: refuses the CPU) are not bit-stable across those two computations; on our CI machine
+#: vLLM's own GPU prefix cache differs from a full prefill by up to 0.06 (see
+#: test_preload.test_scbench_like_pressure_bounded_reads_and_staging). Tokens still
+#: must be identical.
+SPLIT_LOGPROB_TOL = 0.1
+
+
 def same_output(a: dict[str, Any], b: dict[str, Any], tol: float = LOGPROB_TOL) -> bool:
     return a["tokens"] == b["tokens"] and max(
         abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)) <= tol
