@@ -12,8 +12,9 @@
 #   bash scripts/h200_runs.sh mixed   llama-3.2-3b   # issue 4: 50 x 64k, 50% reuse, conc 8
 #   bash scripts/h200_runs.sh queue   llama-3.2-3b   # issue 5 item 4: queue-aware preload
 #   bash scripts/h200_runs.sh trace   llama-3.2-3b   # what the reactor did during each TTFT
+#   bash scripts/h200_runs.sh sharegpt llama-3.2-3b  # issue 9 item 4: ShareGPT replay, 5 configs
 set -euo pipefail
-STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace}
+STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt}
 M=${2:?model: llama-3.2-3b|llama-3.1-8b}
 RES=${RES:-/tmp/res}
 ROOT=${ROOT:-/tmp/ldroot}
@@ -28,7 +29,7 @@ B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$RO
 case "$STEP" in
   longdoc)
     "${B[@]}" --json "$RES/longdoc-$M.json" \
-      --configs recompute,kvcache_dram,native_cpu,kvcache_disk,native_fs ;;
+      --configs "${CONFIGS:-recompute,kvcache_dram,native_cpu,kvcache_disk,native_fs}" ;;
   gate)
     "${B[@]}" --json "$RES/longdoc-$M.json" \
       --configs kvcache_dram_gate,kvcache_disk_gate,recompute_cold \
@@ -74,6 +75,20 @@ case "$STEP" in
       --configs recompute,kvcache_dram,kvcache_disk --trace "$RES/trace-$M"
     python3 scripts/trace_report.py "$RES/trace-$M" --json "$RES/trace-report-$M.json" \
       > "$RES/trace-report-$M.txt" ;;
+  sharegpt)
+    # issue 9 item 4: real ShareGPT chat traffic (history up to each turn) at 32 req/s,
+    # Poisson, through vLLM's OpenAI server, GPU prefix cache on in all 5 configs. The
+    # workload is prepared on the CPU machine (python -m kvcache_core.bench.sharegpt
+    # prepare) and carried as .gpu/sharegpt-llama3.jsonl.gz. 5 x (server start 30-80 s +
+    # 2,000 requests ~70 s) may not fit one call: no config starts after BUDGET seconds
+    # (if the longest so far would not fit), and the next call resumes with the rest.
+    # N, RATE, CONFIGS, TIMEOUT (per config) and BUDGET narrow a call.
+    python3 -m kvcache_core.bench.sharegpt run --model "configs/models/$M" \
+      --workload "${WORKLOAD:-.gpu/sharegpt-llama3.jsonl.gz}" --root "$ROOT" \
+      --json "$RES/sharegpt-$M.json" --machine "H200 (GPU machine)" --resume \
+      --n "${N:-2000}" --rate "${RATE:-32}" --timeout "${TIMEOUT:-240}" \
+      --budget "${BUDGET:-420}" \
+      --configs "${CONFIGS:-prefix_cache,kvcache_dram,native_cpu,kvcache_disk,native_fs}" ;;
   *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac
 # one archive: the device tool brings back only a few files per call
