@@ -31,7 +31,8 @@ def test_crossing():
 
 
 def test_fit_from_the_h200_run_refuses_disk_and_gates_dram():
-    with open(os.path.join(REPO, "docs/results/h200/longdoc-llama-3.2-3b.json")) as f:
+    """The run that docs/results/h200/breakeven-llama-3.2-3b.json was fitted from."""
+    with open(os.path.join(REPO, "docs/results/h200/longdoc-llama-3.2-3b-run3.json")) as f:
         run = json.load(f)
     t = fit_from_longdoc(run)
     assert t.thresholds["disk"] is None  # disk slower than recompute at every size there
