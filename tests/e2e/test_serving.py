@@ -227,6 +227,36 @@ def test_full_disk_keeps_serving(reference, model_dir, tiny_tmpfs):
         if f.startswith(".tmp.")]
 
 
+def test_store_backpressure_drops_the_tail_and_keeps_output(reference, model_dir, workdir):
+    """Stores never wait for the disk: with the DRAM tier off and a staging pool of 4
+    slots, 2 of them reserved for on-demand loads (io_depth=2), a request's 3-chunk store
+    job gets 2 staging slots and its third chunk is dropped and counted at once. The
+    prefix that was kept still hits (2 chunks), the recomputed tail is stored then, and
+    the output is unchanged."""
+    root = os.path.join(workdir, "root_backpressure")
+    llm = H.make_llm(model_dir, H.extra_config(root, staging_bytes=4 * H.FILE_BYTES,
+                                               io_depth=2, lookahead=2, copy_headroom=2))
+    try:
+        m = H.manager(llm)
+        first = H.generate(llm, H.PROMPTS["B"])
+        H.drain(llm)
+        s1 = m.stats()
+        second = H.generate(llm, H.PROMPTS["B"])
+        H.drain(llm)
+        s2 = m.stats()
+    finally:
+        H.shutdown(llm)
+    assert s1["stores"] == 3 and s1["stores_dropped_backpressure"] == 1, s1
+    assert s1["stores_written"] == 2 and s1["ext_slot_waits"] == 0, s1
+    assert second["num_cached_tokens"] == 2 * H.CHUNK
+    d = H.delta(s2, s1)
+    assert d.get("chunks_loaded_disk") == 2 and d.get("stores_written") == 1, d
+    assert len(H.cache_files(root)) == 3  # the recomputed tail was stored this time
+    for out in (first, second):
+        assert out["tokens"] == reference["B"]["tokens"]
+        assert H.same_output(out, reference["B"], tol=H.SPLIT_LOGPROB_TOL)
+
+
 def test_config_errors_name_the_key(model_dir, workdir):
     root = os.path.join(workdir, "root_cfg")
     r = H.run_proc({"model_dir": model_dir, "expect_error": [
