@@ -15,7 +15,10 @@ so it needs no locks. It owns:
 Slot ownership: a slot handed out by :meth:`prepare_store` / :meth:`prepare_load` (BUSY)
 belongs to that job until vLLM calls :meth:`complete_store` / :meth:`complete_load`; then
 it is retained as CACHED (valid bytes for its key) or freed. A CACHED slot is pinned
-while a DRAM-hit load reads it. Keys whose store is in flight are a MISS.
+while a DRAM-hit load reads it. Keys whose store is in flight are a MISS. A disk
+block that another request is reading into a DRAM-tier slot right now is HIT_PENDING:
+vLLM retries the lookup next step and then finds it in DRAM, so concurrent requests for
+one block cause one disk read.
 
 Write-back: a stored chunk with a DRAM-tier slot is copied there and written to disk
 from there in the background (the store job completes once copied). Its slot is kept
@@ -71,6 +74,9 @@ MANAGER_COUNTERS: dict[str, str] = {
     "hits_dram": "Lookups served by the DRAM tier.",
     "hits_disk": "Lookups served by the disk tier.",
     "misses": "Lookups that missed (including keys whose store is in flight).",
+    "hits_pending": "Lookups of a disk block that another request is reading into the DRAM "
+    "tier right now: HIT_PENDING, so the request waits for that read instead of reading "
+    "the file again (one disk read per block in use).",
     "loads_dram": "Chunks loaded from the DRAM tier.",
     "loads_disk": "Chunks loaded from disk (promotions included).",
     "promotions": "Disk chunks loaded into a DRAM-tier slot (kept there on success).",
@@ -152,6 +158,8 @@ class PyKVCacheManager(OffloadingManager):
         # (req_id, key) -> (dram slot or -1, "pin" | "promote" | "disk") for loads in flight
         self._loading: dict[tuple[str, OffloadKey], tuple[int, str]] = {}
         self._loading_refs: collections.Counter[OffloadKey] = collections.Counter()
+        # keys being read from disk into a DRAM-tier slot (promotions in flight)
+        self._promoting: collections.Counter[OffloadKey] = collections.Counter()
         self._failed: set[OffloadKey] = set()
         self.counters: collections.Counter[str] = collections.Counter()
         self._reported: dict[str, int] = {}
@@ -253,8 +261,8 @@ class PyKVCacheManager(OffloadingManager):
             if key in planned:
                 planned.move_to_end(key)
                 continue
-            if self.dram is not None and self.dram.lookup(key) >= 0:
-                continue
+            if (self.dram is not None and self.dram.lookup(key) >= 0) or key in self._promoting:
+                continue  # in the DRAM tier, or being read into it for another request
             if key in self._storing or key in self._bad or not self._on_disk(key):
                 return
             planned[key] = None
@@ -311,6 +319,11 @@ class PyKVCacheManager(OffloadingManager):
             if not self._lookup_disk:
                 self._lookup_fast += 1
             return LookupResult.HIT
+        if self._promoting and self._promoting.get(key):
+            # another request is reading this block into the DRAM tier right now: wait
+            # for that read (vLLM retries the lookup next step) instead of a second one
+            self.counters["hits_pending"] += 1
+            return LookupResult.HIT_PENDING
         if self._on_disk(key):
             if self._staged and self._live(self._staged, key):
                 self.counters["hits_staged"] += 1
@@ -352,6 +365,7 @@ class PyKVCacheManager(OffloadingManager):
             self.counters["loads_dram" if how == "pin" else "loads_disk"] += 1
             if how == "promote":
                 self.counters["promotions"] += 1
+                self._promoting[key] += 1
             prev = self._loading.pop((req_id, key), None)
             if prev is not None:  # pragma: no cover - vLLM issues one load per request
                 self._finish_load(key, prev, failed=True)
@@ -377,6 +391,9 @@ class PyKVCacheManager(OffloadingManager):
                 self._drop(key)
         elif how == "promote":
             assert self.dram is not None
+            self._promoting[key] -= 1
+            if self._promoting[key] <= 0:
+                del self._promoting[key]
             if failed:
                 self.dram.release(slot)
             else:
@@ -470,6 +487,7 @@ class PyKVCacheManager(OffloadingManager):
         self._wb_pinned.clear()
         self._loading.clear()
         self._loading_refs.clear()
+        self._promoting.clear()
         self._failed.clear()
         self._staged.clear()
 

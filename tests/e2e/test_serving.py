@@ -133,6 +133,31 @@ def test_corrupt_files_are_recomputed(dram_run, reference, model_dir, root1):
     assert os.path.getsize(truncated) == os.path.getsize(flipped) == H.FILE_BYTES
 
 
+def test_concurrent_requests_read_each_block_once(dram_run, reference, model_dir, root1):
+    """Two requests for the same document at once, its blocks on disk only (a new engine
+    on the same root): the first reads them into the DRAM tier, the second waits for that
+    read (HIT_PENDING) and loads from DRAM. Each block is read from disk once."""
+    llm = H.make_llm(model_dir, H.extra_config(root1, dram_cache_bytes=8 * H.FILE_BYTES),
+                     max_num_seqs=4)
+    try:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=H.MAX_TOKENS, ignore_eos=True,
+                            logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": A}, {"prompt_token_ids": A}], sp,
+                            use_tqdm=False)
+        H.drain(llm)
+        s = H.manager(llm).stats()
+    finally:
+        H.shutdown(llm)
+    for o in outs:
+        out = o.outputs[0]
+        assert list(out.token_ids) == reference["A"]["tokens"]
+        assert o.num_cached_tokens == FULL_HIT
+    assert s["chunks_loaded_disk"] == 3 and s["bytes_read"] == 3 * H.FILE_BYTES, s
+    assert s["chunks_loaded_dram"] == 3 and s["hits_pending"] >= 1, s
+
+
 def test_partial_gpu_hit_loads_the_rest_of_a_chunk(dram_run, reference, model_dir, root1):
     """GPU prefix caching ON: the GPU cache holds A's first 3 GPU blocks (384 tokens, from
     a request sharing that prefix), so the offload load starts in the middle of storage

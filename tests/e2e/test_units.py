@@ -403,6 +403,39 @@ def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_avai
     assert m.stats()["dram_writeback_pinned"] == 0
 
 
+def test_manager_concurrent_loads_of_one_block_read_it_once(tmp_path, vllm_available):
+    """While one request reads a disk block into the DRAM tier, another request's lookup
+    of that block is HIT_PENDING (vLLM retries it next step) and then a DRAM hit: one
+    disk read per block. A failed promotion ends the wait with the block a miss."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=4)
+    r1, r2 = ReqContext("r1"), ReqContext("r2")
+    k1, k2 = key(1), key(2)
+    for k in (k1, k2):
+        p = m.disk[0].path_for(k)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        open(p, "w").close()
+    assert m.lookup(k1, r1) == LookupResult.HIT
+    spec = m.prepare_load([k1, k2], r1)
+    assert spec.flags == [0, 0] and min(spec.dram_slots) >= 0  # both promoted
+    assert m.lookup(k1, r2) == LookupResult.HIT_PENDING
+    assert m.plan_preloads([], [], 8) == []
+    m.on_worker_report({k2}, {})  # k2's read failed
+    m.complete_load([k1, k2], r1)
+    assert m.lookup(k1, r2) == LookupResult.HIT and m.dram.lookup(k1) >= 0
+    assert m.lookup(k2, r2) == LookupResult.MISS  # failed: a miss for a while, no wait
+    s = m.stats()
+    assert s["hits_pending"] == 1 and s["loads_disk"] == 2
+    spec = m.prepare_load([k1], r2)
+    assert spec.flags == [IN_SLOT]  # served from the DRAM tier, not read again
+    m.complete_load([k1], r2)
+    m.dram.check()
+
+
 def test_manager_slots_hits_and_failures(tmp_path, vllm_available):
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
