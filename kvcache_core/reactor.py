@@ -231,6 +231,15 @@ class Reactor:
         #: so an on-demand read can always start (writes reach most of a disk's write
         #: bandwidth at half the depth: DESIGN.md section 4, 3.5 GB/s at 4 vs 3.6 at 16)
         self.write_depth = max(1, io_depth // 2)
+        #: Diagnostic knob (env ``KVCACHE_WRITEBACK_DEFER_MS``, default 0 = off): after any
+        #: new request (or :meth:`note_foreground`), start no write-back file for this
+        #: long, unless more than half the caller-owned slots (or 8) wait to be written.
+        #: For measuring how much background writes cost foreground work (issue 9).
+        self.writeback_defer_s = max(0.0, float(os.environ.get(
+            "KVCACHE_WRITEBACK_DEFER_MS", "0") or 0)) / 1000.0
+        self._fg_stamp = 0.0
+        self._defer_left: float | None = None
+        self._wq_high = max(8, external_slots // 2)
         self.lookahead = max(1, lookahead)
         self.verify = verify
         if n_slots < io_depth + 1:
@@ -337,6 +346,8 @@ class Reactor:
             if len(item) > 3 and item[3] >= 0 and not self.n_staging <= item[3] < n_pool:
                 raise ValueError(f"py-kvcache: slot {item[3]} is not an external slot "
                                  f"({self.n_staging}..{n_pool - 1})")
+        if prio == Priority.FOREGROUND:
+            self._fg_stamp = time.monotonic()
         with self._cv:
             self._outstanding += 1
         self._inbox.append(("req", req_id, kind, items, prio))
@@ -395,7 +406,8 @@ class Reactor:
                     # released, instead of spinning against vLLM's model-runner thread
                     # while a long prefill is being stored.
                     timeout = (0.0 if self._copies else
-                               STORE_POLL_S if self._store_copies else None)
+                               STORE_POLL_S if self._store_copies else
+                               self._defer_left if self._wq else None)
                     self.engine.wait(timeout if self._running else 0.01)
         except BaseException:  # pragma: no cover - a bug; make it visible and fail requests
             log.exception("py-kvcache reactor crashed")
@@ -608,10 +620,13 @@ class Reactor:
         # 4. write-back: copied blocks whose file is not started, while io_depth allows
         #    (after step 1, so a freed unit goes to a ready foreground read first), at
         #    most ``write_depth`` files at once so that reads always keep units
-        while (self._wq and self._io_inflight < self.io_depth
-               and self._writes_inflight < self.write_depth):
-            self._start_write(self._wq.popleft())
-            worked = True
+        if self._wq and self.writeback_defer_s and self._deferring():
+            pass  # foreground work just arrived: let it have the machine (diagnostic knob)
+        else:
+            while (self._wq and self._io_inflight < self.io_depth
+                   and self._writes_inflight < self.write_depth):
+                self._start_write(self._wq.popleft())
+                worked = True
         # 5. speculative: one at a time, above the foreground reservation
         if self._spec_active is None and self._new_spec and not self._opened_fg:
             t = self._new_spec.popleft()
@@ -628,6 +643,24 @@ class Reactor:
                 self._start_read(t, slot)
                 worked = True
         return worked
+
+    def note_foreground(self) -> None:
+        """Foreground work is happening now (any thread; a plain float store): with
+        ``writeback_defer_s`` set, no new write-back file starts for that long."""
+        self._fg_stamp = time.monotonic()
+
+    def _deferring(self) -> bool:
+        """Whether write-back waits for foreground work (``writeback_defer_s`` after the
+        last :meth:`note_foreground`), unless its queue is past the high-water mark."""
+        if len(self._wq) >= self._wq_high:
+            self._defer_left = None
+            return False
+        left = self._fg_stamp + self.writeback_defer_s - time.monotonic()
+        if left <= 0:
+            self._defer_left = None
+            return False
+        self._defer_left = left
+        return True
 
     def _start_stores(self) -> bool:
         """Give each new store a slot now and issue the device copies, one batch per

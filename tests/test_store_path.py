@@ -155,3 +155,24 @@ def test_store_policy_is_checked(make_layout):
     with pytest.raises(ValueError, match="store_policy"):
         Reactor(make_layout(), n_slots=4, io_depth=2, copier=MemcpyCopier, pin=False,
                 engine="posix", store_policy="block")
+
+
+def test_writeback_defer_knob_holds_files_behind_foreground_work(make_layout, monkeypatch):
+    """Diagnostic knob ``KVCACHE_WRITEBACK_DEFER_MS``: after a request arrives, no
+    write-back file starts for that long (the store is still acknowledged at once);
+    then the files follow without any further request."""
+    monkeypatch.setenv("KVCACHE_WRITEBACK_DEFER_MS", "400")
+    lay = make_layout()
+    r = Reactor(lay, n_slots=6, io_depth=2, copier=MemcpyCopier, pin=False, engine="posix",
+                early_store_ack=True, store_policy="drop")
+    try:
+        ks = keys_of("defer", 3)
+        r.store("S", items(ks))
+        assert _acks(r, "S") == ["store_copied"]
+        assert wait_until(lambda: False, 0.15) is False  # 150 ms inside the 400 ms window
+        assert not any(lay.exists(k) for k in ks)
+        assert r.wait(10)
+        for k in ks:
+            assert lay.read_block(k) == payload(k, BLOCK)
+    finally:
+        r.close()

@@ -198,6 +198,7 @@ class PyKVCacheWorker(OffloadingWorker):
             slots = [self.n_staging + s for s in src_spec.dram_slots]
             self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots),
                                       self._gpu_bytes(refs), t0)
+            self.reactor.note_foreground()
             self._direct[job_id] = self.copier.load_direct(slots, refs)
             self.timing["main_submit_load_s"] += time.perf_counter() - t0
             return True
