@@ -1,16 +1,27 @@
 """Pure parts of the GPU benchmarks' reporting: the calibration's boundary sizes, the gate
 report (rows, checks, predicted speed-up), the preload result file (merge), the load-phase
-summary. No vLLM needed."""
+summary; the SCBench-like workload's turn schedule, process-tree sampler, rows, table and
+plot. No vLLM needed, except the one end-to-end run of ``longdoc --workload scbench`` on the
+CPU platform (marked slow + vllm)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from kvcache_core.bench import gate_report as G
 from kvcache_core.bench import longdoc as L
+from kvcache_core.bench import scbench as SC
 from kvcache_core.cli import _boundary_sizes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_boundary_sizes_bracket_the_threshold():
@@ -121,3 +132,251 @@ def test_write_preload_merges_by_workload_config_tokens(tmp_path):
     assert got == {("longdoc", "kvcache_nopreload"): 2.0, ("longdoc", "kvcache_preload"): 3.0,
                    ("mixed", "kvcache_preload"): 4.0}
     assert "kvcache_nopreload" in open(str(tmp_path / "preload-x.md")).read()
+
+
+# ---------------------------------------------------------------- SCBench-like workload
+def test_scbench_turns_round_robin_bounded_and_after_previous_answer():
+    """Turns go out in round-robin order, at most `concurrency` in flight, and a context's
+    turn r only after its turn r-1 answered; each prompt = context + its own question."""
+    n, rounds, conc = 4, 3, 2
+    contexts = [[100 + c] * 5 for c in range(n)]
+    questions = [[1000 + k] * 2 for k in range(n * rounds)]
+    events: list[tuple[str, str, float]] = []
+    inflight = peak = 0
+
+    async def submit(ids: list[int], rid: str) -> float:
+        nonlocal inflight, peak
+        r, c = (int(x[1:]) for x in rid.split("-")[1:])
+        assert ids == contexts[c] + questions[r * n + c], rid
+        inflight += 1
+        peak = max(peak, inflight)
+        events.append(("start", rid, time.monotonic()))
+        await asyncio.sleep(0.01 * (1 + (c % 2)))  # uneven service times
+        inflight -= 1
+        events.append(("end", rid, time.monotonic()))
+        return 0.01
+
+    turns = asyncio.run(SC.run_turns(submit, contexts, questions, rounds, conc, "t"))
+    assert [(t["round"], t["ctx"]) for t in turns] == [(r, c) for r in range(rounds)
+                                                       for c in range(n)]
+    assert all(t["ttft_s"] == 0.01 for t in turns)
+    assert peak == conc
+    starts = [rid for kind, rid, _ in events if kind == "start"]
+    assert starts[:n] == [f"t-r0-c{c}" for c in range(n)]  # round 0 in order
+    pos = {rid: i for i, (_, rid, _) in enumerate(events)}
+    for r in range(1, rounds):
+        for c in range(n):
+            done_prev = [i for i, e in enumerate(events)
+                         if e[:2] == ("end", f"t-r{r - 1}-c{c}")][0]
+            assert pos[f"t-r{r}-c{c}"] > done_prev  # sent after the previous answer
+    by = {(t["round"], t["ctx"]): t["submit"] for t in turns}
+    assert by[(0, 0)] <= by[(0, 1)] <= by[(1, 0)]
+
+
+def test_scbench_failed_turn_does_not_hang_the_next_round():
+    async def submit(ids: list[int], rid: str) -> float:
+        if rid.endswith("r0-c1"):
+            raise RuntimeError("boom")
+        return 0.0
+
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(asyncio.wait_for(
+            SC.run_turns(submit, [[1], [2]], [[9]] * 4, 2, 2, "t"), 5))
+
+
+def test_throughput_of_a_cumulative_counter():
+    mids, rates = SC.throughput([0.0, 0.5, 1.0, 1.0, 2.0], [0, 100, 100, 150, 350])
+    assert mids == [0.25, 0.75, 1.5]  # the zero-length interval is skipped
+    assert rates == [200.0, 0.0, 200.0]
+    assert SC.throughput([1.0], [5]) == ([], [])
+
+
+def _wrow(turns):
+    return {"tokens": 1024, "concurrency": 2, "docs": 2, "rounds": 2, "question_tokens": 8,
+            "turns": turns}
+
+
+TURNS = [{"round": 0, "ctx": 0, "submit": 100.0, "ttft_s": 2.0},
+         {"round": 0, "ctx": 1, "submit": 100.0, "ttft_s": 4.0},
+         {"round": 1, "ctx": 0, "submit": 102.0, "ttft_s": 1.0},
+         {"round": 1, "ctx": 1, "submit": 104.0, "ttft_s": 3.0}]  # last answer at 107
+
+
+def test_scbench_row_summary_disk_bytes_and_series():
+    t = [96.0, 97.5, 99.9, 101.0, 104.0, 107.2, 108.0, 110.0]
+    samples = {"t": t,
+               "rss_bytes": [10, 11, 12, 13, 14, 15, 16, 17],
+               "pss_bytes": [5, 6, 7, 9, 8, 7, 6, 5],
+               "read_bytes": [1000, 1500, 2000, 2600, 5000, 9000, 9100, 9200],
+               "system_used_bytes": [50] * 8}
+    r = SC.scbench_row("kvcache_preload", _wrow(TURNS), samples, 1000, 1331)
+    assert r["workload"] == "scbench" and r["config"] == "kvcache_preload"
+    assert r["mean_ttft_s"] == pytest.approx(2.5)
+    assert r["mean_ttft_noreuse_s"] == pytest.approx(3.0)  # round 0: cold, storing
+    assert r["mean_ttft_reuse_s"] == pytest.approx(2.0)
+    assert r["n_requests"] == 4 and r["n_noreuse"] == 2
+    assert r["wall_s"] == pytest.approx(7.0)
+    # read_bytes from the last sample at/before the first submit (99.9) to the first one
+    # at/after the last answer (107.2)
+    assert r["disk_read_bytes"] == 9000 - 2000
+    assert r["kv_bytes"] == 1024 * 1000 and r["working_set_bytes"] == 2 * 1024 * 1000
+    assert r["dram_budget_bytes"] == 1331
+    # PSS (not RSS) when the kernel gives it; peak inside the turns
+    assert r["peak_host_mem_bytes"] == 9 and r["host_mem_start_bytes"] == 7
+    s = r["series"]  # within 2 s of the turns, seconds from the first submit
+    assert s["t_s"] == pytest.approx([-0.1, 1.0, 4.0, 7.2, 8.0])
+    assert s["read_bytes"] == [2000, 2600, 5000, 9000, 9100]
+    assert [x["submit_s"] for x in r["turns"]] == [0.0, 0.0, 2.0, 4.0]
+    json.dumps(r)  # serialisable as it is
+
+
+def test_scbench_row_edges():
+    r = SC.scbench_row("native_fs", _wrow(TURNS), None, 1000)
+    assert r["disk_read_bytes"] is None and r["series"] is None
+    assert r["mean_ttft_s"] == pytest.approx(2.5)
+    # the process ended before a sample after the last answer: the last sample counts;
+    # no PSS: RSS
+    samples = {"t": [99.0, 103.0], "rss_bytes": [3, 4], "pss_bytes": [0, 0],
+               "read_bytes": [10, 70], "system_used_bytes": [1, 2]}
+    r = SC.scbench_row("native_fs", _wrow(TURNS), samples, 1000)
+    assert r["disk_read_bytes"] == 60 and r["peak_host_mem_bytes"] == 4
+    assert r["host_mem_start_bytes"] == 3 and r["peak_system_used_bytes"] == 2
+
+
+def test_tree_sampler_sums_the_process_tree(tmp_path):
+    """A child that starts a grandchild; both allocate 40 MB: the tree's RSS counts both,
+    read_bytes never goes down, samples stop when the tree is gone."""
+    code = ("import subprocess, sys, time; x = bytearray(40 << 20); "
+            "p = subprocess.Popen([sys.executable, '-c', "
+            "'import time; x = bytearray(40 << 20); time.sleep(1.5)']); "
+            "time.sleep(1.0); print('ok', flush=True); p.wait()")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    sampler = SC.TreeSampler(p.pid, 0.05).start()
+    assert p.stdout is not None and p.stdout.readline().strip() == "ok"
+    time.sleep(0.2)
+    assert len(SC.tree_pids(p.pid)) == 2
+    p.wait()
+    time.sleep(0.2)
+    s = sampler.stop()
+    assert len(s["t"]) >= 10
+    assert s["t"] == sorted(s["t"])
+    assert max(s["rss_bytes"]) >= 80 << 20  # child + grandchild
+    assert all(b >= a for a, b in zip(s["read_bytes"], s["read_bytes"][1:], strict=False))
+    assert all(v > 0 for v in s["system_used_bytes"])
+    assert SC.tree_pids(p.pid) == []
+    if os.path.exists("/proc/self/smaps_rollup"):
+        assert max(s["pss_bytes"]) >= 80 << 20
+
+
+def _sc_run(rows):
+    return {"machine": "m", "model": "x", "disk_read_gbps": 2.0, "results": rows}
+
+
+def _sc_rows():
+    t = [99.0, 100.5, 103.0, 107.5]
+    out = []
+    for cfg, rb in (("native_fs", 10_000), ("kvcache_preload", 500)):
+        samples = {"t": t, "rss_bytes": [1, 2, 3, 4], "pss_bytes": [1, 2, 3, 4],
+                   "read_bytes": [0, rb // 2, rb, rb], "system_used_bytes": [5, 5, 6, 6]}
+        r = SC.scbench_row(cfg, _wrow(TURNS), samples, 1000, 1331)
+        r.update(peak_staging_bytes=None if cfg == "native_fs" else 10,
+                 staging_budget_bytes=None if cfg == "native_fs" else 20)
+        out.append(r)
+    return out
+
+
+def test_scbench_table_plot_and_preload_file(tmp_path):
+    rows = _sc_rows()
+    md = "\n".join(SC.scbench_table(_sc_run(rows + [{"config": "recompute",
+                                                      "error": "engine run failed"}])))
+    assert "| 1024 | 2 x 2 | 2 | kvcache_preload |" in md
+    assert "| 0.050 |" in md  # 500 / 10000 bytes of native_fs's
+    assert "recompute: engine run failed" in md
+    png = tmp_path / "sc.png"
+    SC.plot_scbench(_sc_run(rows), str(png))
+    assert png.stat().st_size > 10_000
+    # the issue's schema, next to longdoc rows of the same config
+    path = str(tmp_path / "preload-x.json")
+    L.write_preload(_sc_run([{"config": "kvcache_preload", "tokens": 1024, "concurrency": 2,
+                              "mean_ttft_s": 9.0}]), path, "longdoc")
+    L.write_preload(_sc_run(rows), path, "scbench")
+    saved = json.loads(open(path).read())["results"]
+    sc = {r["config"]: r for r in saved if r["workload"] == "scbench"}
+    assert set(sc) == {"native_fs", "kvcache_preload"}
+    need = {"config", "tokens", "concurrency", "mean_ttft_s", "mean_ttft_reuse_s",
+            "mean_ttft_noreuse_s", "disk_read_bytes", "peak_staging_bytes",
+            "staging_budget_bytes"}
+    assert all(need <= set(r) for r in sc.values())
+    assert sc["kvcache_preload"]["disk_read_bytes"] == 500
+    assert sc["kvcache_preload"]["mean_ttft_reuse_s"] == pytest.approx(2.0)
+    assert any(r["workload"] == "longdoc" for r in saved)
+    assert "| scbench | 1024 |" in open(str(tmp_path / "preload-x.md")).read()
+
+
+def test_scbench_defaults_and_equal_dram_budget():
+    args = L.resolve_defaults(L.build_parser().parse_args(
+        ["--model", "m", "--workload", "scbench"]))
+    assert (args.tokens, args.docs, args.repeats, args.sample_interval) == ("32768", 4, 6,
+                                                                            0.25)
+    args = L.resolve_defaults(L.build_parser().parse_args(["--model", "m"]))
+    assert (args.tokens, args.docs, args.repeats, args.sample_interval) == (
+        "1024,4096,16384,65536", 2, 2, 0.0)
+    a = SimpleNamespace(root="/r", docs=4, staging_bytes=1, io_depth=2, preload_lookahead=4)
+    budgets = {c: L.dram_budget(c, a, 1000) for c in
+               ("kvcache_preload", "kvcache_nopreload", "native_fs")}
+    assert set(budgets.values()) == {1300}  # 1.3 contexts each, the working set is 4
+    assert L.dram_budget("recompute", a, 1000) is None
+
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_scbench_end_to_end_cpu(tmp_path):
+    """``longdoc --workload scbench`` on real vLLM (CPU platform, tiny Llama, dummy
+    weights): 4 contexts of 1024 tokens x 3 rounds, 2 in flight, py-kvcache with preload
+    and a DRAM tier of 1.3 contexts (native_fs does not run on vLLM's CPU platform)."""
+    pytest.importorskip("vllm")
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    out = str(tmp_path / "res" / "scbench-tiny.json")
+    pre = str(tmp_path / "res" / "preload-tiny.json")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "kvcache_core.bench.longdoc", "--model", str(model),
+         "--root", str(tmp_path / "root"), "--json", out, "--preload-json", pre,
+         "--workload", "scbench", "--tokens", "1024", "--docs", "4", "--repeats", "3",
+         "--concurrency", "2", "--gpu-blocks", "20", "--configs", "kvcache_preload",
+         "--staging-bytes", str(4 << 20), "--io-depth", "2", "--timeout", "200",
+         "--machine", "cpu-test", "--no-probe"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.load(open(out))
+    (r,) = res["results"]
+    assert "error" not in r, r
+    assert r["workload"] == "scbench" and r["config"] == "kvcache_preload"
+    assert r["n_requests"] == 12 and r["n_noreuse"] == 4
+    assert [(t["round"], t["ctx"]) for t in r["turns"]][:4] == [(0, c) for c in range(4)]
+    assert r["working_set_bytes"] > 3 * r["dram_budget_bytes"]  # the DRAM tier thrashes
+    # later rounds read their contexts back from disk; the process tree's read_bytes
+    # (O_DIRECT reads included) agrees with py-kvcache's own counter
+    assert r["cache_bytes_read"] > 0, r
+    assert r["disk_read_bytes"] >= 0.9 * r["cache_bytes_read"], r
+    assert r["peak_staging_bytes"] <= r["staging_budget_bytes"]
+    assert r["peak_host_mem_bytes"] > 0 and len(r["series"]["t_s"]) >= 3
+    assert r["store_counters"]["stores"] > 0
+    assert os.path.exists(out[:-5] + ".md") and os.path.exists(out[:-5] + ".png")
+    (row,) = json.load(open(pre))["results"]
+    assert row["workload"] == "scbench" and row["disk_read_bytes"] == r["disk_read_bytes"]
+    assert not os.path.exists(tmp_path / "root" / "kvcache_preload")  # root wiped
+    print(f"e2e run {time.monotonic() - t0:.0f}s")

@@ -50,7 +50,8 @@ def worker(root: str, block_bytes: int, max_disk: int, mode: str, seed: int) -> 
             time.sleep(1)
     r = None
     if mode != "write_block":
-        engine = "posix" if mode == "reactor-posix" else "io_uring"
+        # durable: the best engine here (io_uring where it runs, else POSIX)
+        engine = {"reactor-posix": "posix", "reactor-io_uring": "io_uring"}.get(mode, "auto")
         r = Reactor(lay, n_slots=6, io_depth=4, engine=engine, copier=MemcpyCopier, pin=False)
     say(f"ready {os.getpid()}")
     n = 0
