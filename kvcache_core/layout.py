@@ -40,6 +40,7 @@ import fcntl
 import heapq
 import itertools
 import json
+import logging
 import os
 import socket
 import struct
@@ -56,6 +57,7 @@ HEADER_BYTES = 4096
 MAX_KEY_BYTES = 64
 # magic, version, header_bytes, payload_len, block_bytes, ns digest, key_len, key,
 # payload xxh3-64, header xxh3-64 (over everything before it)
+log = logging.getLogger(__name__)
 HEADER_FMT = struct.Struct(f"<8sIIQQ16sH{MAX_KEY_BYTES}sQ")
 HEADER_HASH = struct.Struct("<Q")
 #: byte offset of the payload checksum (the last field of HEADER_FMT)
@@ -163,6 +165,7 @@ class LayoutStats:
     evicted_bytes: int = 0
     temp_collected: int = 0
     dropped_over_capacity: int = 0
+    unlink_errors: int = 0  # files that could not be removed (EACCES, EIO...): skipped
 
 
 class LayoutIndex:
@@ -401,6 +404,9 @@ class Layout(LayoutIndex):
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        except OSError as e:  # e.g. EACCES in a root shared by several users
+            self.stats.unlink_errors += 1
+            log.warning("py-kvcache: cannot remove %s: %s", tmp, e.strerror or e)
 
     def touch(self, key: bytes) -> None:
         """Mark ``key`` recently used (called after a read hit)."""
@@ -418,6 +424,10 @@ class Layout(LayoutIndex):
                 size = os.stat(path).st_size
                 os.unlink(path)
             except FileNotFoundError:
+                return
+            except OSError as e:  # EACCES/EPERM/EIO: keep serving (the file stays a miss)
+                self.stats.unlink_errors += 1
+                log.warning("py-kvcache: cannot remove %s: %s", path, e.strerror or e)
                 return
             self.ledger.add(-size)
 
@@ -483,6 +493,11 @@ class Layout(LayoutIndex):
             try:
                 os.unlink(path)
             except FileNotFoundError:
+                continue
+            except OSError as e:  # not ours to remove (another uid): skip it, keep going
+                self.stats.unlink_errors += 1
+                log.warning("py-kvcache: eviction cannot remove %s: %s", path,
+                            e.strerror or e)
                 continue
             self.ledger.add(-st.st_size)
             self.stats.evicted_files += 1

@@ -36,6 +36,9 @@ file is open but not yet reading closes that fd and re-queues the preload.
 Errors never escape the reactor: a missing file is a miss, a short/corrupt/mismatched
 file is a counted miss (the file is removed), ENOSPC or any write error drops the store
 (counted, temp file removed). Each request completes exactly once with per-item status.
+If the reactor thread itself dies (a bug), every request in flight and every later one
+completes at once with its items failed (:attr:`Reactor.dead` says why): callers
+recompute, nothing waits forever.
 """
 
 from __future__ import annotations
@@ -271,6 +274,9 @@ class Reactor:
         #: appended by the reactor thread, read after :meth:`close`. Bounded.
         self.trace: list[tuple[float, str, Any, int]] | None = [] if trace else None
         self._on_complete = on_complete
+        #: None while the reactor thread serves; the reason once it died (every request
+        #: then completes at once with its items failed: callers recompute)
+        self.dead: str | None = None
         self._rflags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
         self._wflags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
         # client -> reactor
@@ -328,6 +334,11 @@ class Reactor:
         """Queue a store of ``items`` = [(key, src, nbytes)] (src: what the copier reads)."""
         self._submit(req_id, STORE, items, Priority.FOREGROUND)
 
+    @property
+    def healthy(self) -> bool:
+        """False once the reactor thread has died (see :attr:`dead`)."""
+        return self.dead is None
+
     def cancel(self, req_id: Hashable) -> None:
         """Cancel a request: tasks not yet reading/writing are dropped (completion says so)."""
         self._inbox.append(("cancel", req_id))
@@ -351,6 +362,9 @@ class Reactor:
         with self._cv:
             self._outstanding += 1
         self._inbox.append(("req", req_id, kind, items, prio))
+        if self.dead is not None:  # nobody will serve it: fail it now (recompute)
+            self._fail_inbox()
+            return
         self.engine.wake()
 
     def poll(self) -> list[Completion]:
@@ -409,10 +423,10 @@ class Reactor:
                                STORE_POLL_S if self._store_copies else
                                self._defer_left if self._wq else None)
                     self.engine.wait(timeout if self._running else 0.01)
-        except BaseException:  # pragma: no cover - a bug; make it visible and fail requests
+        except BaseException as e:  # a bug: make it visible, fail everything, stay failed
             log.exception("py-kvcache reactor crashed")
+            self.dead = f"{type(e).__name__}: {e}"
             self._fail_everything()
-            raise
 
     def _step(self) -> bool:
         worked = False
@@ -1100,8 +1114,26 @@ class Reactor:
             self._outstanding -= 1
             self._cv.notify_all()
 
-    def _fail_everything(self) -> None:  # pragma: no cover - only after a reactor bug
+    def _fail_everything(self) -> None:
+        """After the reactor thread died: complete every request in flight and every one
+        still in the inbox (items not finished are False). Runs on the dying reactor
+        thread; :meth:`_fail_inbox` also on client threads for later submissions."""
         for req in list(self._reqs.values()):
             req.remaining = 0
             self._complete(req)
         self._reqs.clear()
+        self._fail_inbox()
+
+    def _fail_inbox(self) -> None:
+        inbox = self._inbox
+        while True:
+            try:
+                msg = inbox.popleft()
+            except IndexError:
+                return
+            if msg[0] != "req":
+                continue
+            _, req_id, kind, items, prio = msg
+            req = _Request(req_id, kind, len(items), prio)
+            req.remaining = 0
+            self._complete(req)

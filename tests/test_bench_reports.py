@@ -173,7 +173,7 @@ def test_scbench_turns_round_robin_bounded_and_after_previous_answer():
     assert by[(0, 0)] <= by[(0, 1)] <= by[(1, 0)]
 
 
-def test_scbench_failed_turn_does_not_hang_the_next_round():
+def test_scbench_failed_turn_fails_the_run_without_hanging():
     async def submit(ids: list[int], rid: str) -> float:
         if rid.endswith("r0-c1"):
             raise RuntimeError("boom")

@@ -739,3 +739,60 @@ def test_io_uring_probe_that_kills_its_process_falls_back(monkeypatch, caplog):
             kio.make_engine("io_uring", depth=2)
     finally:
         eng.shutdown()
+
+
+def test_dead_reactor_completes_everything_at_once(make_layout, make_reactor, caplog):
+    """A bug that kills the reactor thread: the request in flight completes with its items
+    failed, and so does every later one, at once; wait() never hangs; the reason is kept."""
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=4, io_depth=2)
+    store_all(r, [b"dead-1"])
+    assert finish(r)["store"].ok == [True]
+
+    def boom(tag, res):
+        raise RuntimeError("injected reactor bug")
+
+    r._on_cqe = boom
+    with caplog.at_level(logging.ERROR):
+        d = sentinel_buf(BLOCK)
+        r.load("L1", [(b"dead-1", d, BLOCK)])
+        assert r.wait(10)
+    assert not r.healthy and "injected reactor bug" in r.dead
+    assert any("reactor crashed" in rec.getMessage() for rec in caplog.records)
+    r.load("L2", [(b"dead-1", sentinel_buf(BLOCK), BLOCK)])
+    store_all(r, [b"dead-2"], req_id="S2")
+    assert r.wait(5)
+    res = {c.req_id: c for c in r.poll()}
+    assert res["L1"].ok == [False] and res["L2"].ok == [False] and res["S2"].ok == [False]
+    assert bytes(d) == bytes(sentinel_buf(BLOCK))  # nothing half-copied was reported ok
+
+
+def test_unlink_refused_is_counted_and_the_reactor_keeps_serving(make_layout, make_reactor,
+                                                                 monkeypatch):
+    """A corrupt file that cannot be removed (EACCES in a root shared by several users):
+    the load is a counted miss, the error is counted, the reactor stays alive."""
+    import kvcache_core.layout as L
+
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=4, io_depth=2)
+    store_all(r, [b"eacces-1", b"eacces-2"])
+    assert finish(r)["store"].ok == [True, True]
+    p = lay.path_for(b"eacces-1")
+    with open(p, "r+b") as f:  # corrupt the payload
+        f.seek(HEADER_BYTES + 10)
+        f.write(b"\xff\x00\xff")
+    real_unlink = os.unlink
+
+    def refuse(path, *a, **kw):
+        if path == p:
+            raise PermissionError(13, "Permission denied", path)
+        return real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(L.os, "unlink", refuse)
+    r.load("L1", [(b"eacces-1", sentinel_buf(BLOCK), BLOCK)])
+    assert finish(r)["L1"].ok == [False]
+    assert r.healthy and lay.stats.unlink_errors == 1 and r.stats.loads_corrupt == 1
+    d = sentinel_buf(BLOCK)
+    r.load("L2", [(b"eacces-2", d, BLOCK)])
+    assert finish(r)["L2"].ok == [True]
+    check_dests([b"eacces-2"], [d])

@@ -38,10 +38,31 @@ requests in flight (all submitted at once; concurrency 1 = one after another);
 ``--fresh-frac F`` mixes in that fraction of requests with NO reusable prefix (new random
 documents) to see what the cache costs requests that cannot use it.
 
+SCBench-like multi-turn workload (``--workload scbench``; the seed paper's Fig. 12, issue 10
+item 3): ``--docs`` shared contexts (default 4) of ``--tokens`` tokens (default 32768) visited
+round-robin for ``--repeats`` rounds (default 6); each turn is its context plus a short unique
+question (``--question-tokens``, seeded), one output token; a context's next turn is sent
+after its previous one answered, at most ``--concurrency`` turns in flight. Round 0 is cold
+(each context stored); later rounds reuse the context's KV. With the DRAM/CPU tier of
+kvcache_preload / kvcache_nopreload / native_fs at 1.3 contexts, the working set (docs x
+context KV) overflows it and the tier thrashes. All rounds run in ONE engine process per
+configuration, unlike the store / load split of the other workloads: a multi-turn server
+is one long-lived process whose tiers fill and thrash over time (the figure is a time series
+of that), and no fresh process is needed to make reuse come from disk, since both py-kvcache
+and vLLM's fs tier (``tiering/fs/io.py``) open their files with O_DIRECT, so the page cache
+serves neither; one engine start per configuration also leaves more of a 10-minute device
+call for the turns. While the engine runs, the driver samples its process tree every
+``--sample-interval`` s (default 0.25): RSS and PSS summed over the tree, the machine's used
+memory, and the tree's cumulative ``read_bytes`` (/proc/<pid>/io: storage reads, O_DIRECT
+included). Rows (``workload: "scbench"``) carry every turn's submit time and TTFT and the
+series; ``disk_read_bytes`` is the tree's read_bytes over the turns (``cache_bytes_read``:
+py-kvcache's own counter); the table and PNG next to ``--json`` show TTFT per turn, host
+memory and disk read throughput over time (``kvcache_core/bench/scbench.py``).
+
 Usage: python -m kvcache_core.bench.longdoc --model DIR --root DIR --json OUT.json
        [--tokens 1024,4096,16384,65536] [--configs ...] [--docs 2] [--repeats 2]
        [--concurrency 1] [--gate-table auto|PATH --gate-json G.json]
-       [--preload-json P.json --workload longdoc|mixed]
+       [--preload-json P.json --workload longdoc|mixed|scbench]
 (``scripts/bench_longdoc.py`` is the same program.)
 """
 
@@ -60,6 +81,7 @@ import subprocess
 import sys
 import time
 
+from . import scbench as SC
 from .common import save_loglog
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -198,8 +220,10 @@ async def _worker(args) -> dict:
     tokens = [int(t) for t in args.tokens.split(",")]
     kvb = kv_bytes_per_token(args.model)
     tc = transfer_config(args.config, args, max(tokens) * kvb)
+    extra_len = args.question_tokens if args.workload == "scbench" else 0
     ea = AsyncEngineArgs(model=args.model, load_format="dummy", enforce_eager=True,
-                         enable_prefix_caching=False, max_model_len=max(tokens) + 64,
+                         enable_prefix_caching=False,
+                         max_model_len=max(tokens) + extra_len + 64,
                          gpu_memory_utilization=0.85, skip_tokenizer_init=True,
                          kv_transfer_config=tc, seed=0,
                          num_gpu_blocks_override=args.gpu_blocks or None)
@@ -214,6 +238,13 @@ async def _worker(args) -> dict:
         for d in tokens:
             docs = docs_for(d, args.docs, args.seed)
             row = {"tokens": d, "concurrency": args.concurrency}
+            if args.workload == "scbench":
+                row.update(await _scbench_turns(engine, args, d, docs))
+                out["rows"].append(row)
+                log(f"{args.config} scbench D={d}: mean TTFT "
+                    f"{statistics.fmean(row['ttft_all']):.3f}s over {len(row['ttft_all'])} "
+                    "turns")
+                continue
             if args.phase in ("store", "both"):
                 cold = []
                 for i, doc in enumerate(docs):
@@ -248,8 +279,21 @@ async def _worker(args) -> dict:
     return out
 
 
+async def _scbench_turns(engine, args, d: int, contexts: list[list[int]]) -> dict:
+    """All rounds of the SCBench-like workload on ``contexts`` (see :mod:`.scbench`)."""
+    questions = docs_for(args.question_tokens, args.docs * args.repeats, args.seed + 5000 + d)
+    turns = await SC.run_turns(lambda ids, rid: _ttft(engine, ids, rid), contexts, questions,
+                               args.repeats, args.concurrency, f"sc{d}")
+    return {"docs": args.docs, "rounds": args.repeats, "question_tokens": args.question_tokens,
+            "turns": turns, "ttft_all": [t["ttft_s"] for t in turns],
+            "stats_after": await _stats_snapshot(engine, f"tick{d}")}
+
+
 # ---------------------------------------------------------------------------- driver
-def _run_child(args, config: str, phase: str, timeout: float) -> dict | None:
+def _run_child(args, config: str, phase: str, timeout: float,
+               sample: float = 0.0) -> dict | None:
+    """Run one engine process; with ``sample`` > 0, sample its process tree that often
+    (``res["samples"]``, see :class:`.scbench.TreeSampler`)."""
     part = os.path.join(args.work, f"{config}-{phase}.json")
     cmd = [sys.executable, "-m", "kvcache_core.bench.longdoc", "--worker", "--config", config,
            "--phase", phase, "--model", args.model, "--root", args.root, "--tokens",
@@ -258,19 +302,24 @@ def _run_child(args, config: str, phase: str, timeout: float) -> dict | None:
            "--io-depth", str(args.io_depth), "--out-part", part, "--seed", str(args.seed),
            "--fresh-frac", str(args.fresh_frac), "--gpu-blocks", str(args.gpu_blocks),
            "--preload-lookahead",
-           str(args.preload_lookahead), "--gate-table-path", args.gate_table_path or ""]
+           str(args.preload_lookahead), "--gate-table-path", args.gate_table_path or "",
+           "--workload", args.workload, "--question-tokens", str(args.question_tokens)]
     env = dict(os.environ, PYTHONHASHSEED="0",
                KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"))
     if args.trace:
         env["KVCACHE_TRACE"] = os.path.join(args.trace, f"{config}-{phase}")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.Popen(cmd, env=env, start_new_session=True)
+    sampler = SC.TreeSampler(p.pid, sample).start() if sample > 0 else None
+    samples = None
     try:
         rc = p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         log(f"{config}/{phase}: timeout after {timeout}s")
         rc = -1
     finally:
+        if sampler is not None:
+            samples = sampler.stop()
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -280,6 +329,8 @@ def _run_child(args, config: str, phase: str, timeout: float) -> dict | None:
         return None
     with open(part) as f:
         res = json.load(f)
+    if samples is not None:
+        res["samples"] = samples
     if args.trace:
         with open(os.path.join(args.trace, f"{config}-{phase}.requests.json"), "w") as f:
             json.dump(res.get("req_log", []), f)
@@ -372,12 +423,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", required=True, help="model directory (config.json; dummy weights)")
     ap.add_argument("--root", default="/tmp/longdoc-root", help="cache roots live under here")
     ap.add_argument("--json", help="result JSON (also writes .md and .png next to it)")
-    ap.add_argument("--tokens", default="1024,4096,16384,65536",
-                    help="document sizes in tokens, comma-separated")
+    ap.add_argument("--tokens", default=None,
+                    help="document sizes in tokens, comma-separated (default "
+                    "1024,4096,16384,65536; scbench: 32768)")
     ap.add_argument("--configs", default=",".join(BASE_CONFIGS),
                     help=f"comma-separated, from: {', '.join(ALL_CONFIGS)}")
-    ap.add_argument("--docs", type=int, default=2, help="documents per size")
-    ap.add_argument("--repeats", type=int, default=2, help="hits per document")
+    ap.add_argument("--docs", type=int, default=None,
+                    help="documents per size (default 2; scbench: 4 shared contexts)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="hits per document (default 2); scbench: rounds of turns, the "
+                    "first one cold (default 6)")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="max requests in flight in the load phase")
     ap.add_argument("--fresh-frac", type=float, default=0.0,
@@ -393,8 +448,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "to --json as breakeven-<model>.json)")
     ap.add_argument("--gate-json", help="also write the gate result file (issue schema)")
     ap.add_argument("--preload-json", help="also write the preload result file")
-    ap.add_argument("--workload", default="longdoc", choices=("longdoc", "mixed"),
-                    help="workload name recorded in --preload-json")
+    ap.add_argument("--workload", default="longdoc", choices=("longdoc", "mixed", "scbench"),
+                    help="workload name recorded in --preload-json; scbench runs the "
+                    "SCBench-like multi-turn workload (module docstring)")
+    ap.add_argument("--question-tokens", type=int, default=64,
+                    help="scbench: tokens of each turn's unique question")
+    ap.add_argument("--sample-interval", type=float, default=None,
+                    help="seconds between samples of the engine's process tree (host "
+                    "memory, disk bytes read); default 0.25 for scbench, else off")
     ap.add_argument("--gpu-blocks", type=int, default=0,
                     help="cap vLLM's GPU KV cache at this many blocks (num_gpu_blocks_override) "
                     "so that requests queue, as on a loaded server; 0 = vLLM's own sizing")
@@ -402,6 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--settle", type=float, default=2.0, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=900, help="per engine process, seconds")
     ap.add_argument("--machine", default=None, help="machine name for the JSON")
+    ap.add_argument("--no-probe", action="store_true",
+                    help="skip the disk / PCIe bandwidth probe (recorded as NaN; tests)")
     ap.add_argument("--append", action="store_true",
                     help="merge into an existing --json: replace the rows of the configs run "
                     "now, keep the others (several calls on one machine, one result file)")
@@ -473,8 +536,42 @@ def _summary(ttfts: list[float], order: list[int]) -> dict:
             "n_requests": len(ttfts), "n_noreuse": len(fresh)}
 
 
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Per-workload defaults of --tokens, --docs, --repeats, --sample-interval."""
+    sc = args.workload == "scbench"
+    if args.tokens is None:
+        args.tokens = "32768" if sc else "1024,4096,16384,65536"
+    if args.docs is None:
+        args.docs = 4 if sc else 2
+    if args.repeats is None:
+        args.repeats = 6 if sc else 2
+    if args.sample_interval is None:
+        args.sample_interval = 0.25 if sc else 0.0
+    return args
+
+
+def dram_budget(cfg: str, args, doc_bytes: int) -> int | None:
+    """Bytes of the DRAM / CPU tier that ``transfer_config`` gives ``cfg`` (None: none)."""
+    tc = transfer_config(cfg, args, doc_bytes)
+    if tc is None:
+        return None
+    extra = tc["kv_connector_extra_config"]
+    return extra.get("dram_cache_bytes", extra.get("cpu_bytes_to_use"))
+
+
+def _scbench_results(args, cfg: str, res: dict, kvb: int) -> list[dict]:
+    doc_bytes = max(int(t) for t in args.tokens.split(",")) * kvb
+    out = []
+    for wrow in res["rows"]:
+        row = SC.scbench_row(cfg, wrow, res.get("samples"), kvb,
+                             dram_budget(cfg, args, doc_bytes))
+        row["store_counters"] = wrow.get("stats_after") or None
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = resolve_defaults(build_parser().parse_args(argv))
     if args.worker:
         res = asyncio.run(_worker(args))
         with open(args.out_part, "w") as f:
@@ -499,9 +596,12 @@ def main(argv: list[str] | None = None) -> int:
         configs = [c for c in configs if c not in done]
         if skipped:
             log(f"resume: {', '.join(skipped)} already measured in {args.json}")
-    log("measuring disk and PCIe bandwidth")
-    disk = measure_disk(args.root)
-    pcie = measure_pcie()
+    if args.no_probe:
+        disk = pcie = float("nan")
+    else:
+        log("measuring disk and PCIe bandwidth")
+        disk = measure_disk(args.root)
+        pcie = measure_pcie()
     args._disk, args._pcie = disk, pcie
     log(f"disk_read_gbps={disk:.2f} pcie_h2d_gbps={pcie:.1f}")
     kvb = kv_bytes_per_token(args.model)
@@ -516,7 +616,10 @@ def main(argv: list[str] | None = None) -> int:
             for ext in (".stats", ".stats.workers.jsonl"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(args.work, f"{cfg}-{stale}{ext}"))
-        if cfg in COLD_PROCESS:
+        if args.workload == "scbench":
+            store = load = _run_child(args, cfg, "both", args.timeout, args.sample_interval)
+            dropped = None
+        elif cfg in COLD_PROCESS:
             store = _run_child(args, cfg, "store", args.timeout)
             dropped = drop_caches()
             load = _run_child(args, cfg, "load", args.timeout)
@@ -529,7 +632,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"config": cfg, "error": "engine run failed"})
             out = save(args, results, disk, pcie, kvb, model_name)
             continue
-        deltas = _store_counter_deltas(store["rows"])
+        if args.workload == "scbench":
+            results += _scbench_results(args, cfg, load, kvb)
+        deltas = [] if args.workload == "scbench" else _store_counter_deltas(store["rows"])
         for srow, lrow, sc in zip(store["rows"], load["rows"], deltas, strict=False):
             d = srow["tokens"]
             floor = d * kvb / (disk * 1e9) + d * kvb / (pcie * 1e9)
@@ -555,7 +660,10 @@ def main(argv: list[str] | None = None) -> int:
                 if r["config"] == cfg:
                     r["peak_staging_bytes"] = peak
                     r["staging_budget_bytes"] = budget
-                    r["disk_read_bytes"] = sum(s.get("bytes_read", 0) for s in lstats)
+                    # scbench: disk_read_bytes is the process tree's (all configs alike)
+                    key = ("cache_bytes_read" if args.workload == "scbench"
+                           else "disk_read_bytes")
+                    r[key] = sum(s.get("bytes_read", 0) for s in lstats)
                     r["worker_stats"] = diag
                     r["scheduler_stats"] = sched
                     if cfg in GATE_OF:
@@ -591,9 +699,14 @@ def save(args, results: list[dict], disk: float, pcie: float, kvb: int,
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-        write_table(out, os.path.splitext(args.json)[0] + ".md")
+        base = os.path.splitext(args.json)[0]
+        if args.workload == "scbench":
+            with open(base + ".md", "w") as f:
+                f.write("\n".join(SC.scbench_table(out)) + "\n")
+        else:
+            write_table(out, base + ".md")
         try:
-            plot(out, os.path.splitext(args.json)[0] + ".png")
+            (SC.plot_scbench if args.workload == "scbench" else plot)(out, base + ".png")
         except Exception as e:  # matplotlib missing etc.
             log(f"no plot: {e}")
     if args.gate_json and args.gate_table_path:
@@ -628,8 +741,12 @@ def write_preload(run: dict, path: str, workload: str) -> dict:
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     lines = [f"# Preload: {run['model']} on {run['machine']}", "",
-             "Disk-only (fresh process, page cache dropped), all requests submitted at once, "
-             "at most `concurrency` in flight, one output token. Times in seconds.", "",
+             "longdoc / mixed: disk-only (fresh process, page cache dropped), all requests "
+             "submitted at once, at most `concurrency` in flight, one output token. scbench: "
+             "shared contexts visited round-robin, all rounds in one process, reuse = later "
+             "visits, no-reuse = first (storing) visits, disk read = the engine process "
+             "tree's read_bytes (same DRAM/CPU budget of 1.3 contexts for every config). "
+             "Times in seconds.", "",
              "| workload | tokens | conc | config | mean TTFT | median | p90 | mean reuse | "
              "mean no-reuse | wall | peak staging / budget (MB) | disk read (GB) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

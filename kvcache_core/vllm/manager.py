@@ -122,6 +122,8 @@ WORKER_COUNTERS: dict[str, str] = {
     "preloads_joined": "Worker: on-demand loads that joined a preload's read in flight.",
     "preloads_deduped": "Worker: preloads skipped (block already staged, cached or read).",
     "preloads_requeued": "Worker: preloads closed and re-queued for foreground work.",
+    "reactor_dead": "Worker: I/O reactor threads that died (the engine then runs "
+    "recompute-only: every lookup misses, nothing is stored; see the 'healthy' gauge).",
 }
 METRIC_PREFIX = "vllm:pykvcache_"
 #: seconds a block that failed to load stays a miss (then it may be tried again)
@@ -309,9 +311,15 @@ class PyKVCacheManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    @property
+    def healthy(self) -> bool:
+        """False once a worker reported its reactor dead: recompute-only from then on."""
+        return not self.counters["reactor_dead"]
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self.counters["lookups"] += 1
-        if key in self._storing or (self._bad and self._live(self._bad, key)):
+        if (key in self._storing or (self._bad and self._live(self._bad, key))
+                or not self.healthy):
             self.counters["misses"] += 1
             return LookupResult.MISS
         if self.dram is not None and self.dram.lookup(key) >= 0:
@@ -419,6 +427,8 @@ class PyKVCacheManager(OffloadingManager):
         pinned = [] if self.dram is None else [
             s for s in (self.dram.pin(k) for k in keys) if s >= 0]
         disk = self.disk_stores
+        if not self.healthy:  # recompute-only: the workers cannot store any more
+            keys = ()
         for key in keys:
             if (key in self._storing
                     or (self.dram is not None and self.dram.lookup(key) >= 0)
@@ -527,6 +537,9 @@ class PyKVCacheManager(OffloadingManager):
                 self._drop(key)
         while len(self._bad) > BAD_KEYS_MAX:
             self._bad.popitem(last=False)
+        if counters.get("reactor_dead") and self.healthy:
+            log.error("py-kvcache: a worker's I/O reactor died; this engine recomputes every "
+                      "prefix from now on (lookups miss, nothing is stored)")
         for name, v in counters.items():
             self.counters[name] += v
         if counters or failed_keys:
@@ -575,6 +588,7 @@ class PyKVCacheManager(OffloadingManager):
         out["dram_slots"] = self.n_dram
         out["dram_cached"] = self.dram.cached if self.dram is not None else 0
         out["dram_writeback_pinned"] = len(self._wb_pinned)
+        out["healthy"] = int(self.healthy)
         return out
 
     def get_stats(self) -> OffloadingConnectorStats | None:

@@ -338,9 +338,19 @@ class PyKVCacheWorker(OffloadingWorker):
                     preloads_requeued=s.spec_requeued)
         return snap
 
+    def _check_health(self) -> None:
+        """Once the reactor thread has died: one error through vLLM's logger and the
+        ``reactor_dead`` counter, which turns the scheduler recompute-only."""
+        if self.reactor.dead is not None and not self.counters["reactor_dead"]:
+            self.counters["reactor_dead"] = 1
+            log.error("py-kvcache worker rank %d: the I/O reactor died (%s); this engine "
+                      "now recomputes every prefix (lookups miss, nothing is stored); "
+                      "requests keep being served", self.rank, self.reactor.dead)
+
     def take_report(self) -> tuple[set[bytes], dict[str, int]]:
         """(keys that failed to load, counter deltas) since the last call, for the
         scheduler (sent in the connector's worker metadata)."""
+        self._check_health()
         failed, self._failed_keys = self._failed_keys, set()
         delta = {}
         for k, v in self._snapshot().items():

@@ -169,6 +169,22 @@ def _settle_worker(worker) -> Any:
     return w.take_report()
 
 
+def _kill_reactor(worker) -> bool:
+    """Runs in every worker process (``collective_rpc``): the next I/O completion kills
+    the reactor thread (an injected bug)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group()._our_worker()
+    if w is None:
+        return False
+
+    def boom(tag: int, res: int) -> None:
+        raise RuntimeError("injected reactor bug")
+
+    w.reactor._on_cqe = boom
+    return True
+
+
 def drain(llm, timeout: float = 60.0) -> None:
     """Step the engine until the connector has no job in flight, then let every worker's
     writes finish and deliver their counters to the scheduler (what later engine steps

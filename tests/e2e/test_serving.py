@@ -282,6 +282,30 @@ def test_store_backpressure_drops_the_tail_and_keeps_output(reference, model_dir
         assert H.same_output(out, reference["B"], tol=H.SPLIT_LOGPROB_TOL)
 
 
+def test_dead_reactor_turns_the_engine_recompute_only(dram_run, reference, model_dir,
+                                                       root1):
+    """A reactor thread that dies mid-run (an injected bug at its next I/O completion):
+    the load in flight is reported failed and recomputed, later requests are served by
+    recompute (lookups miss, nothing stored), tokens unchanged, health 0; nothing hangs."""
+    llm = H.make_llm(model_dir, H.extra_config(root1))
+    try:
+        assert all(llm.collective_rpc(H._kill_reactor))
+        first = H.generate(llm, A)  # its blocks are on disk: the read kills the reactor
+        H.drain(llm)
+        s1 = H.manager(llm).stats()
+        second = H.generate(llm, C)
+        H.drain(llm)
+        s2 = H.manager(llm).stats()
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(first, reference["A"]) and H.same_output(second, reference["C"])
+    assert s1["reactor_dead"] == 1 and s1["healthy"] == 0, s1
+    assert s1["chunks_failed"] >= 1 and s1["chunks_loaded_disk"] == 0, s1
+    d = H.delta(s2, s1)
+    assert d.get("hits_disk", 0) == 0 and d.get("stores", 0) == 0, d
+    assert second["num_cached_tokens"] == 0
+
+
 def test_config_errors_name_the_key(model_dir, workdir):
     root = os.path.join(workdir, "root_cfg")
     r = H.run_proc({"model_dir": model_dir, "expect_error": [

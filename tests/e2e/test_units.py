@@ -403,6 +403,50 @@ def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_avai
     assert m.stats()["dram_writeback_pinned"] == 0
 
 
+def test_worker_with_a_dead_reactor_fails_loads_and_reports_it(worker):
+    """The reactor thread dies (an injected bug): a disk load job still completes, its GPU
+    blocks are reported for recompute, the worker reports ``reactor_dead`` once, and
+    later store jobs complete too (nothing waits)."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvcache_core.vllm.specs import PyKVLoadSpec, PyKVStoreSpec
+
+    w = worker
+    k1 = key(1)
+    w.submit_store(1, GPULoadStoreSpec([3, 5], [2], [0]), PyKVStoreSpec([k1], [-1]))
+    _run(w, 1)
+    assert w.reactor.wait(30)
+
+    def boom(tag, res):
+        raise RuntimeError("injected reactor bug")
+
+    w.reactor._on_cqe = boom
+    w.submit_load(2, PyKVLoadSpec([k1], [-1], [0]), GPULoadStoreSpec([10, 11], [2], [0]))
+    _run(w, 2)
+    assert w.take_invalid_block_ids() == {10, 11}
+    failed, counters = w.take_report()
+    assert failed == {k1} and counters["reactor_dead"] == 1
+    w.submit_store(3, GPULoadStoreSpec([7, 9], [2], [0]), PyKVStoreSpec([key(2)], [-1]))
+    _run(w, 3)
+    assert w.take_report()[1].get("reactor_dead") is None  # reported once
+
+
+def test_manager_recompute_only_after_a_dead_reactor(tmp_path, vllm_available):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    m = PyKVCacheManager(str(tmp_path), [Namespace("m", "bf16", 256, 1 << 16)], n_dram=2)
+    r = ReqContext("r")
+    m.prepare_store([key(1)], r)
+    m.complete_store([key(1)], r)
+    assert m.lookup(key(1), r) == LookupResult.HIT and m.stats()["healthy"] == 1
+    m.on_worker_report(set(), {"reactor_dead": 1})
+    assert m.lookup(key(1), r) == LookupResult.MISS
+    assert m.prepare_store([key(2)], r).keys_to_store == []
+    assert m.stats()["healthy"] == 0
+
+
 def test_manager_concurrent_loads_of_one_block_read_it_once(tmp_path, vllm_available):
     """While one request reads a disk block into the DRAM tier, another request's lookup
     of that block is HIT_PENDING (vLLM retries it next step) and then a DRAM hit: one
