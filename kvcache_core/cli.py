@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvcache", description="py-kvcache: external KV cache for vLLM (DRAM + NVMe).",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_config_epilog())
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                   help="print py-kvcache's version and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -267,7 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Entry point. Ordinary mistakes (a missing path, an unreadable or read-only root, a
+    bad config) print one line naming the problem and return 2; ``-v`` shows the
+    traceback too."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -276,6 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"kvcache: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if args.verbose:
+            raise
+        what = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+        print(f"kvcache {args.cmd}: {what}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvcache {args.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
