@@ -24,14 +24,18 @@ KEY_HELP: dict[str, str] = {
     "root_dir": "Directory that holds the cache files (shared by every vLLM instance using "
     "the same model). Created if missing; must be writable.",
     "staging_bytes": "Bytes of the page-locked staging pool used for transfers (loads, stores, "
-    "preloads). Rounded down to whole slots; must hold at least io_depth + 1 slots.",
+    "preloads). Rounded down to whole slots; must hold at least io_depth + 1 slots. Without "
+    "a DRAM tier it is also the write-back buffer of stores: a store never waits for the "
+    "disk, so a chunk that finds no free slot above the io_depth reserved for loads is "
+    "dropped (counted as stores_dropped_backpressure).",
     "io_depth": "Disk reads/writes in flight at once (io_uring queue depth). Also the number "
     "of slots reserved for foreground (on-demand) work.",
     "lookahead": "Asynchronous file opens allowed ahead of reads.",
     "copy_headroom": "Extra slots beyond io_depth that keep the disk busy while device "
     "copies hold slots. staging_bytes must cover io_depth + copy_headroom slots.",
     "dram_cache_bytes": "Bytes of additional slots that retain finished blocks as a DRAM "
-    "cache tier (0 disables the DRAM tier).",
+    "cache tier (0 disables the DRAM tier). Stores are copied there and written to disk "
+    "from there in the background (write-back buffer).",
     "eviction_policy": "DRAM tier replacement policy: 'lru' or 'arc'.",
     "block_size": "Tokens per storage block (one file); a multiple of vLLM's GPU block size.",
     "max_disk_bytes": "Upper bound on cache bytes under root_dir for this model namespace, "
