@@ -13,8 +13,9 @@
 #   bash scripts/h200_runs.sh queue   llama-3.2-3b   # issue 5 item 4: queue-aware preload
 #   bash scripts/h200_runs.sh trace   llama-3.2-3b   # what the reactor did during each TTFT
 #   bash scripts/h200_runs.sh sharegpt llama-3.2-3b  # issue 9 item 4: ShareGPT replay, 5 configs
+#   bash scripts/h200_runs.sh scbench llama-3.2-3b   # issue 10 item 3: multi-turn shared contexts
 set -euo pipefail
-STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt}
+STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|scbench}
 M=${2:?model: llama-3.2-3b|llama-3.1-8b}
 RES=${RES:-/tmp/res}
 ROOT=${ROOT:-/tmp/ldroot}
@@ -89,6 +90,25 @@ case "$STEP" in
       --n "${N:-2000}" --rate "${RATE:-32}" --timeout "${TIMEOUT:-240}" \
       --budget "${BUDGET:-420}" \
       --configs "${CONFIGS:-prefix_cache,kvcache_dram,native_cpu,kvcache_disk,native_fs}" ;;
+  scbench)
+    # issue 10 item 3: SCBench-like multi-turn: 4 shared contexts of $TOKENS tokens visited
+    # round-robin for 6 rounds (24 turns, round 0 stores), 4 turns in flight, the GPU KV
+    # cache capped at about 2 contexts (16-token GPU blocks), the same DRAM/CPU tier of 1.3
+    # contexts for all three configs: working set 4 contexts (15 GB at 32k on the 3B), so
+    # the tier thrashes. One engine process per config runs all rounds while the driver
+    # samples host memory and disk bytes read of its process tree every 0.25 s.
+    # Estimate per config on the 3B at 32k: start 25-65 s, 4 cold turns + 15 GB of stores
+    # ~5-10 s, 20 reuse turns of 3.8 GB each from a 2.4 GB/s disk <= ~45 s, shutdown ~10 s:
+    # <= ~130 s; TIMEOUT (per config, default 170 s) keeps 3 configs + the bandwidth probe
+    # under 600 s. A config cut off by TIMEOUT is recorded as failed; --resume runs only the
+    # missing ones in a later call. CONFIGS, TOKENS, ROUNDS, TIMEOUT narrow a call.
+    TOKENS=${TOKENS:-32768}
+    GB=$(( (2 * (TOKENS + 64) + 15) / 16 + 96 ))
+    "${B[@]}" --json "$RES/scbench-run-$M.json" --workload scbench --tokens "$TOKENS" \
+      --docs 4 --repeats "${ROUNDS:-6}" --concurrency 4 --gpu-blocks "$GB" \
+      --timeout "${TIMEOUT:-170}" \
+      --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
+      --preload-json "$RES/preload-$M.json" ;;
   *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac
 # one archive: the device tool brings back only a few files per call
