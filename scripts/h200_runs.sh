@@ -84,6 +84,13 @@ case "$STEP" in
     # 2,000 requests ~70 s) may not fit one call: no config starts after BUDGET seconds
     # (if the longest so far would not fit), and the next call resumes with the rest.
     # N, RATE, CONFIGS, TIMEOUT (per config) and BUDGET narrow a call.
+    # vLLM's OpenAI server needs two wheels the runtime lacks: carry them in .gpu/extra/
+    # (pip download jmespath==1.0.1 model-hosting-container-standards==0.1.16) or build
+    # the runtime with EXTRA_WHEELS naming them
+    if ls .gpu/extra/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        .gpu/extra/*.whl
+    fi
     python3 -m kvcache_core.bench.sharegpt run --model "configs/models/$M" \
       --workload "${WORKLOAD:-.gpu/sharegpt-llama3.jsonl.gz}" --root "$ROOT" \
       --json "$RES/sharegpt-$M.json" --machine "H200 (GPU machine)" --resume \
