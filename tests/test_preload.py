@@ -129,3 +129,50 @@ def test_preload_of_a_missing_or_corrupt_file_is_a_quiet_miss(root, ns, engine):
     finally:
         close_reactor(r)
         lay.close()
+
+
+def test_a_stuck_preload_never_delays_on_demand_loads_or_stores(root, ns):
+    """R8 with a throttled disk: the one speculative read is stuck (its completion is
+    withheld); on-demand loads of other blocks and a store still complete, in full,
+    while it is stuck; the preload completes once the disk moves."""
+    import threading
+
+    from helpers.kvutil import GatedReadEngine, sentinel_buf, wait_until
+
+    lay = Layout(root, ns)
+    keys = [f"ord-{i}".encode() for i in range(7)]
+    for k in keys:
+        assert lay.write_block(k, payload(k, BLOCK))
+    gate = threading.Event()
+    eng = GatedReadEngine(2, gate, {lay.path_for(keys[0])[-16:]})
+    r = Reactor(lay, n_slots=6, io_depth=2, lookahead=2, engine=eng, copier=MemcpyCopier,
+                pin=False, early_store_ack=True, store_policy="drop")
+    try:
+        r.load("spec", [(keys[0], None, 0)], Priority.SPECULATIVE)
+        assert wait_until(lambda: eng.held, 10)  # the speculative read is stuck
+        dests = [sentinel_buf(BLOCK) for _ in keys[1:]]
+        r.load("fg", [(k, d, BLOCK) for k, d in zip(keys[1:], dests, strict=True)])
+        s = b"ord-store"
+        r.store("st", [(s, payload(s, BLOCK), BLOCK)])
+        seen: dict = {}
+
+        def done() -> bool:
+            for c in r.poll():
+                seen[(c.req_id, c.kind)] = c
+            return ("fg", "load") in seen and ("st", "store") in seen
+
+        assert wait_until(done, 20), seen
+        assert seen[("fg", "load")].ok == [True] * 6 and seen[("st", "store")].ok == [True]
+        assert ("spec", "load") not in seen and eng.held  # still stuck meanwhile
+        for k, d in zip(keys[1:], dests, strict=True):
+            assert bytes(d) == payload(k, BLOCK)
+        assert lay.read_block(s) == payload(s, BLOCK)
+        gate.set()
+        eng.wake()
+        assert r.wait(10)
+        assert r.stats.preload_staged == 1
+    finally:
+        gate.set()
+        eng.wake()
+        close_reactor(r)
+        lay.close()

@@ -236,3 +236,64 @@ class GatedWriteEngine:
                 super().wait(timeout_s if timeout_s is not None else 0.05)
 
         return _Gated()
+
+
+class GatedReadEngine:
+    """Factory for a POSIX engine whose READ completions of files whose path ends with
+    one of ``gated_suffixes`` are withheld until ``gate`` is set: to the reactor those
+    reads are stuck on a slow disk (they keep their ``io_depth`` unit and slot), while
+    every other operation completes normally. After setting the gate, call
+    ``engine.wake()``."""
+
+    def __new__(cls, depth: int, gate: threading.Event, gated_suffixes: set[str]):
+        from kvcache_core.io.posix import PosixEngine
+        from kvcache_core.reactor import OP_BITS, OP_OPEN, OP_READ
+
+        mask = (1 << OP_BITS) - 1
+
+        class _Gated(PosixEngine):
+            def __init__(self) -> None:
+                super().__init__(depth)
+                self.held: list[tuple[int, int]] = []
+                self._open_path: dict[int, str] = {}
+                self._gated_fds: set[int] = set()
+                self._gated_tags: set[int] = set()
+
+            def open(self, tag, path, flags, mode=0o644):
+                if tag & mask == OP_OPEN and any(path.endswith(s) for s in gated_suffixes):
+                    self._open_path[tag] = path
+                super().open(tag, path, flags, mode)
+
+            def read(self, tag, fd, iov, offset=0):
+                if fd in self._gated_fds:
+                    self._gated_tags.add(tag)
+                super().read(tag, fd, iov, offset)
+
+            def reap(self, out):
+                n0 = len(out)
+                super().reap(out)
+                mine = out[n0:]
+                del out[n0:]
+                for tag, res in mine:
+                    if tag in self._open_path and res >= 0:
+                        del self._open_path[tag]
+                        self._gated_fds.add(res)
+                    if tag & mask == OP_READ and tag in self._gated_tags and not gate.is_set():
+                        self.held.append((tag, res))
+                    else:
+                        out.append((tag, res))
+                if gate.is_set() and self.held:
+                    out.extend(self.held)
+                    self.held.clear()
+                return len(out) - n0
+
+            def close(self, tag, fd):
+                self._gated_fds.discard(fd)
+                super().close(tag, fd)
+
+            def wait(self, timeout_s):
+                if gate.is_set() and self.held:
+                    return
+                super().wait(timeout_s if timeout_s is not None else 0.05)
+
+        return _Gated()
