@@ -33,3 +33,34 @@ def test_missing_paths_are_one_line_errors(tmp_path):
         assert "Traceback" not in p.stderr, p.stderr
         lines = p.stderr.strip().splitlines()
         assert lines[-1].startswith(f"kvcache {cmd}: ") and missing in lines[-1], p.stderr
+
+
+def test_bench_storage_refuses_a_missing_parent_and_cleans_up_when_interrupted(tmp_path):
+    import signal
+    import time
+
+    p = kvcache("bench", "storage", "--quick", "--no-metadata", "--root",
+                str(tmp_path / "no" / "such"))
+    assert p.returncode == 2 and "parent directory does not exist" in p.stderr
+    assert not (tmp_path / "no").exists()  # nothing created
+    root = tmp_path / "bench"
+    proc = subprocess.Popen([sys.executable, "-m", "kvcache_core.cli", "bench", "storage",
+                             "--quick", "--no-metadata", "--root", str(root)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=REPO))
+    def writing() -> bool:  # the benchmark has files in its scratch directory
+        try:
+            return any(any(True for _ in os.scandir(d.path))
+                       for d in os.scandir(root) if d.is_dir())
+        except FileNotFoundError:
+            return False
+
+    end = time.monotonic() + 60
+    while not writing() and time.monotonic() < end and proc.poll() is None:
+        time.sleep(0.05)
+    assert writing(), "the benchmark never wrote into its scratch directory"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err.splitlines()[-1]
+    assert not root.exists()  # scratch and the root it created are gone

@@ -18,6 +18,7 @@ Each point is the median of ``repeats`` runs. Metadata: ``Layout.exists`` lookup
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -25,6 +26,7 @@ import random
 import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -88,10 +90,11 @@ def _raw(paths: list[str], size: int, depth: int, write: bool, direct: bool,
     idx = iter(range(len(paths)))
     lock = threading.Lock()
     err: list[BaseException] = []
+    stop = threading.Event()  # set when the main thread is interrupted
 
     def work(buf: memoryview) -> None:
         try:
-            while True:
+            while not stop.is_set():
                 with lock:
                     i = next(idx, None)
                 if i is None:
@@ -110,8 +113,14 @@ def _raw(paths: list[str], size: int, depth: int, write: bool, direct: bool,
     t0 = time.perf_counter()
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:  # Ctrl-C: stop the workers before the scratch dir is removed
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
     dt = time.perf_counter() - t0
     if err:
         raise err[0]
@@ -309,8 +318,38 @@ def bench_metadata(root: str, levels: list[int], probes: int) -> list[dict]:
 
 
 def run(args) -> dict[str, Any]:
-    root = os.path.abspath(args.root)
-    os.makedirs(root, exist_ok=True)
+    """Measure under ``args.root`` in a private scratch directory that is removed at the
+    end, also when interrupted. The root's parent must exist (a typo in a path is an
+    error, not a new directory tree); a root that is a file or not writable is an
+    ``OSError`` that the CLI prints as one line."""
+    user_root = os.path.abspath(args.root)
+    parent = os.path.dirname(user_root)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(2, "parent directory does not exist", parent)
+    made = not os.path.exists(user_root)
+    if made:
+        os.mkdir(user_root)
+    try:
+        root = tempfile.mkdtemp(prefix=".kvcache-bench-", dir=user_root)
+    except OSError:
+        if made:
+            os.rmdir(user_root)
+        raise
+    args._user_root = user_root  # what the report names (the scratch dir goes away)
+    try:
+        return _run_in(args, root)
+    finally:
+        for _ in range(20):  # a thread still finishing its last op may add a file
+            shutil.rmtree(root, ignore_errors=True)
+            if not os.path.exists(root):
+                break
+            time.sleep(0.1)
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(user_root)
+
+
+def _run_in(args, root: str) -> dict[str, Any]:
     quick = args.quick
     sizes = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 28 * MiB]
     depths = [1, 8] if quick else [1, 4, 8, 16]
@@ -337,7 +376,7 @@ def run(args) -> dict[str, Any]:
     out: dict[str, Any] = {
         "benchmark": "storage",
         "machine": _machine(),
-        "root": root,
+        "root": getattr(args, "_user_root", root),
         "filesystem": _fs_of(root),
         "direct_io": probe_direct(root, "auto"),
         "engine": peak.get("engine"),
