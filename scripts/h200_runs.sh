@@ -12,10 +12,11 @@
 #   bash scripts/h200_runs.sh mixed   llama-3.2-3b   # issue 4: 50 x 64k, 50% reuse, conc 8
 #   bash scripts/h200_runs.sh queue   llama-3.2-3b   # issue 5 item 4: queue-aware preload
 #   bash scripts/h200_runs.sh trace   llama-3.2-3b   # what the reactor did during each TTFT
+#   bash scripts/h200_runs.sh wbab    llama-3.2-3b   # issue 9: write-back deferred vs not (A/B)
 #   bash scripts/h200_runs.sh sharegpt llama-3.2-3b  # issue 9 item 4: ShareGPT replay, 5 configs
 #   bash scripts/h200_runs.sh scbench llama-3.2-3b   # issue 10 item 3: multi-turn shared contexts
 set -euo pipefail
-STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|scbench}
+STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|scbench|wbab}
 M=${2:?model: llama-3.2-3b|llama-3.1-8b}
 RES=${RES:-/tmp/res}
 ROOT=${ROOT:-/tmp/ldroot}
@@ -70,6 +71,23 @@ case "$STEP" in
       --fresh-frac 0.25 --concurrency 16 --gpu-blocks 10496 --workload mixed \
       --configs kvcache_disk_gate,kvcache_gate_queue,recompute_cold --gate-table "$T" \
       --preload-json "$RES/preload-$M.json" ;;
+  wbab)
+    # issue 9: does the background write-back cost the foreground? kvcache_dram with
+    # write-back deferred behind foreground work (KVCACHE_WRITEBACK_DEFER_MS=$DEFER) vs
+    # not, interleaved over $ROUNDS rounds in one call, recompute once for the ratios.
+    # Results: $RES/wbab-<defer>-r<round>/longdoc-$M.json (one archive at the end).
+    DEFER=${DEFER:-50}; ROUNDS=${ROUNDS:-3}
+    RES_BASE="$RES"
+    mkdir -p "$RES_BASE/wbab-recompute"
+    "${B[@]}" --json "$RES_BASE/wbab-recompute/longdoc-$M.json" \
+      --configs recompute --no-probe || true
+    for r in $(seq 1 "$ROUNDS"); do
+      for d in 0 "$DEFER"; do
+        mkdir -p "$RES_BASE/wbab-$d-r$r"
+        KVCACHE_WRITEBACK_DEFER_MS=$d "${B[@]}" --no-probe \
+          --json "$RES_BASE/wbab-$d-r$r/longdoc-$M.json" --configs kvcache_dram || true
+      done
+    done ;;
   trace)
     # diagnostics: per request, the reactor's events inside its TTFT window
     "${B[@]}" --json "$RES/trace-run-$M.json" --tokens 1024,4096,16384 \
