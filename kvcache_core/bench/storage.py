@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from ..io import make_engine, probe_direct
+from ..io import make_engine, probe_direct, uring_available
 from ..layout import HEADER_BYTES, Layout, Namespace
 from ..reactor import Reactor
 from ..staging import StagingPool
@@ -358,6 +358,11 @@ def _run_in(args, root: str) -> dict[str, Any]:
     max_ops = 512 if quick else 1024
     repeats = 1 if quick else 3
     modes = ["raw", "uring", "posix", "reactor"]
+    ok, why = uring_available()
+    if not ok:  # e.g. seccomp, an old kernel, or a liburing that cannot run here
+        modes.remove("uring")
+        _progress(f"io_uring unavailable ({why}): skipping the io_uring engine; the "
+                  "reactor runs on the POSIX fallback")
     levels = [] if args.no_metadata else ([10_000, 100_000] if quick
                                           else [10_000, 100_000, 1_000_000])
     _progress(f"root={root} fs={_fs_of(root)} direct_io={probe_direct(root, 'auto')} "
