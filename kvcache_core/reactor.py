@@ -21,7 +21,7 @@ Store: slot (a caller-owned DRAM-tier slot, or a staging slot taken at once) -> 
        [fdatasync] -> close -> atomic publish -> slot retained or freed. The device copy
        never waits for the disk: a store takes no ``io_depth`` unit until its file write
        starts, and holds one from the temp-file open to write completion (at most
-       ``write_depth`` = io_depth // 2 writes at once, so reads always keep units). With
+       ``write_depth`` writes at once: io_depth // 2 when serving, so reads keep units). With
        ``store_policy="drop"`` a block that finds no staging slot free right now (above the
        foreground reservation) is dropped and counted (``stores_dropped_backpressure``),
        and so are the request's later staging blocks (a prefix with a hole is useless);
@@ -194,7 +194,8 @@ class Reactor:
     disk writes.
     ``store_policy``: ``"drop"`` (serving: a store never waits for the disk; a block with
     no free staging slot above the foreground reservation is dropped and counted) or
-    ``"wait"`` (benchmarks and tests: it waits for a slot, FIFO).
+    ``"wait"`` (benchmarks and tests: it waits for a slot, FIFO). ``write_depth``: most
+    file writes in flight (default: io_depth // 2 with "drop", io_depth with "wait").
     ``switch_interval``: the reactor lowers ``sys.setswitchinterval`` to this (process
     wide) when it is larger, because GIL handoffs with a busy host process (vLLM's engine
     loop) otherwise throttle it; ``None`` leaves the interpreter alone.
@@ -215,7 +216,7 @@ class Reactor:
                  name: str = "kvcache-reactor",
                  switch_interval: float | None = SWITCH_INTERVAL_S,
                  trace: bool = False, early_store_ack: bool = False,
-                 store_policy: str = "wait") -> None:
+                 store_policy: str = "wait", write_depth: int | None = None) -> None:
         if store_policy not in ("wait", "drop"):
             raise ValueError(f"store_policy must be 'wait' or 'drop', got {store_policy!r}")
         self.store_drop = store_policy == "drop"
@@ -230,10 +231,15 @@ class Reactor:
                      sys.getswitchinterval(), switch_interval)
             sys.setswitchinterval(switch_interval)
         self.io_depth = io_depth
-        #: most file writes in flight at once: write-back never takes every io_depth unit,
-        #: so an on-demand read can always start (writes reach most of a disk's write
-        #: bandwidth at half the depth: DESIGN.md section 4, 3.5 GB/s at 4 vs 3.6 at 16)
-        self.write_depth = max(1, io_depth // 2)
+        #: most file writes in flight at once. Serving (``store_policy="drop"``): half the
+        #: io_depth, so an on-demand read can always start (writes reach most of a disk's
+        #: write bandwidth at half the depth: DESIGN.md section 4, 3.5 GB/s at 4 vs 3.6
+        #: at 16). ``"wait"`` (storage benchmarks): all of it, as before.
+        if write_depth is None:
+            write_depth = max(1, io_depth // 2) if store_policy == "drop" else io_depth
+        if not 1 <= write_depth <= io_depth:
+            raise ValueError(f"write_depth must be in 1..io_depth, got {write_depth}")
+        self.write_depth = write_depth
         #: Diagnostic knob (env ``KVCACHE_WRITEBACK_DEFER_MS``, default 0 = off): after any
         #: new request (or :meth:`note_foreground`), start no write-back file for this
         #: long, unless more than half the caller-owned slots (or 8) wait to be written.
