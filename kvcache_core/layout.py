@@ -411,8 +411,12 @@ class Layout(LayoutIndex):
     def touch(self, key: bytes) -> None:
         """Mark ``key`` recently used (called after a read hit)."""
         if self.max_disk_bytes:
+            # explicit fine-grained time: utime(NULL) takes the kernel's coarse clock (one
+            # tick, ~4 ms), which can be EARLIER than the time.time() this process recorded
+            # when it published the file, so a touch right after a publish was lost
+            now = time.time()
             try:
-                os.utime(self.path_for(key))
+                os.utime(self.path_for(key), (now, now))
             except OSError:
                 pass
 
