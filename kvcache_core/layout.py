@@ -316,16 +316,21 @@ class Layout(LayoutIndex):
         version, geometry and key (not the header hash nor the payload checksum, which
         :meth:`seal_header` may be rewriting meanwhile). Returns the payload length;
         raises :class:`CorruptBlock` otherwise."""
-        (magic, ver, hdr_bytes, payload_len, block_bytes, nsd, klen, kbytes,
-         _digest) = HEADER_FMT.unpack_from(slot, 0)
-        if magic != MAGIC:
+        fields = HEADER_FMT.unpack_from(slot, 0)
+        if fields[0] != MAGIC:
             raise CorruptBlock("bad magic")
+        return self._check_fields(fields, key)
+
+    def _check_fields(self, fields: tuple, key: bytes) -> int:
+        """The identity checks shared by :meth:`check_identity` and :meth:`check_block`
+        on an unpacked header whose magic matched. Returns the payload length."""
+        _magic, ver, hdr_bytes, payload_len, block_bytes, nsd, klen, kbytes, _dg = fields
         if ver != FORMAT_VERSION or hdr_bytes != HEADER_BYTES:
             raise CorruptBlock(f"format version {ver} not supported")
         if nsd != self._ns_digest or block_bytes != self.ns.block_bytes:
             raise CorruptBlock("header geometry does not match this namespace")
         if kbytes[:klen] != key:
-            raise CorruptBlock("key mismatch")
+            raise CorruptBlock("key mismatch (hash collision or misplaced file)")
         if payload_len > self.ns.block_bytes:
             raise CorruptBlock("payload longer than a block")
         return payload_len
@@ -338,21 +343,14 @@ class Layout(LayoutIndex):
         """
         if nread < HEADER_BYTES:
             raise CorruptBlock(f"truncated header ({nread} bytes)")
-        (magic, ver, hdr_bytes, payload_len, block_bytes, nsd, klen, kbytes,
-         digest) = HEADER_FMT.unpack_from(slot, 0)
-        if magic != MAGIC:
+        fields = HEADER_FMT.unpack_from(slot, 0)
+        if fields[0] != MAGIC:
             raise CorruptBlock("bad magic")
         (hh,) = HEADER_HASH.unpack_from(slot, HEADER_FMT.size)
         if hh != xxhash.xxh3_64_intdigest(slot[: HEADER_FMT.size]):
             raise CorruptBlock("header checksum mismatch")
-        if ver != FORMAT_VERSION or hdr_bytes != HEADER_BYTES:
-            raise CorruptBlock(f"format version {ver} not supported")
-        if nsd != self._ns_digest or block_bytes != self.ns.block_bytes:
-            raise CorruptBlock("header geometry does not match this namespace")
-        if kbytes[:klen] != key:
-            raise CorruptBlock("key mismatch (hash collision or misplaced file)")
-        if payload_len > self.ns.block_bytes:
-            raise CorruptBlock("payload longer than a block")
+        payload_len = self._check_fields(fields, key)
+        digest = fields[8]
         if nread < HEADER_BYTES + payload_len:
             raise CorruptBlock(f"truncated payload ({nread - HEADER_BYTES} of {payload_len})")
         if verify and digest != xxhash.xxh3_64_intdigest(

@@ -363,7 +363,7 @@ class Reactor:
             if len(item) > 3 and item[3] >= 0 and not self.n_staging <= item[3] < n_pool:
                 raise ValueError(f"py-kvcache: slot {item[3]} is not an external slot "
                                  f"({self.n_staging}..{n_pool - 1})")
-        if prio == Priority.FOREGROUND:
+        if self.writeback_defer_s and prio == Priority.FOREGROUND:
             self._fg_stamp = time.monotonic()
         with self._cv:
             self._outstanding += 1

@@ -27,7 +27,9 @@ _warned = threading.Event()
 _PROBE = """
 import liburing as L
 ring = L.Ring()
-L.io_uring_queue_init(2, ring, 0)
+rc = L.io_uring_queue_init(2, ring, 0)
+if rc not in (0, None):
+    raise SystemExit(f"io_uring_queue_init returned {rc}")
 sqe = L.io_uring_get_sqe(ring)
 L.io_uring_prep_nop(sqe)
 L.io_uring_submit(ring)
@@ -83,37 +85,16 @@ def _liburing_version() -> str:
 
 
 def uring_available() -> tuple[bool, str]:
-    """Probe io_uring: first in a child process (a liburing that cannot run here kills
-    only that child), then in this process by setting up a ring and running one NOP.
-    Returns (ok, reason)."""
+    """Probe io_uring: set up a ring and run one NOP in a child process (a liburing that
+    cannot run here kills only that child), once per process tree. Returns (ok, reason);
+    the reason names the refusal (the child's last error line or the signal)."""
     try:
-        import liburing as L
+        import liburing  # noqa: F401
     except Exception as e:  # pragma: no cover - import failure is environment specific
         return False, f"liburing not importable: {e}"
     if os.environ.get("KVCACHE_DISABLE_IO_URING") == "1":
         return False, "disabled by KVCACHE_DISABLE_IO_URING=1"
-    ok, why = _child_probe()
-    if not ok:
-        return False, why
-    ring = L.Ring()
-    try:
-        rc = L.io_uring_queue_init(2, ring, 0)
-        if rc not in (0, None):
-            return False, f"io_uring_queue_init returned {rc}"
-    except OSError as e:
-        return False, f"io_uring_setup refused: {e.strerror or e}"
-    try:
-        sqe = L.io_uring_get_sqe(ring)
-        L.io_uring_prep_nop(sqe)
-        L.io_uring_submit(ring)
-        cqe = L.Cqe()
-        L.io_uring_wait_cqe(ring, cqe)
-        L.io_uring_cqe_seen(ring, cqe[0])
-    except OSError as e:
-        return False, f"io_uring NOP failed: {e.strerror or e}"
-    finally:
-        L.io_uring_queue_exit(ring)
-    return True, "ok"
+    return _child_probe()
 
 
 def make_engine(kind: str = "auto", depth: int = 8, entries: int = 64,

@@ -224,13 +224,9 @@ def tiny_tmpfs(workdir):
         subprocess.run(["umount", "-l", mnt], capture_output=True)
 
 
-def test_full_disk_keeps_serving(reference, model_dir, tiny_tmpfs):
-    """Root on a tmpfs that holds one file: stores beyond it are dropped and counted,
-    requests keep being served with unchanged output, the stored block still hits.
-
-    io_depth=1 makes the outcome deterministic (one write at a time: the first fits);
-    with concurrent writes all three may fail on a nearly full disk, which is fine."""
-    llm = H.make_llm(model_dir, H.extra_config(tiny_tmpfs, io_depth=1))
+def _b_twice(llm) -> tuple[dict, dict, dict, dict]:
+    """Prompt B twice on ``llm`` (drained after each), then shut it down: (first output,
+    counters after it, second output, counters after it)."""
     try:
         m = H.manager(llm)
         first = H.generate(llm, H.PROMPTS["B"])
@@ -238,9 +234,19 @@ def test_full_disk_keeps_serving(reference, model_dir, tiny_tmpfs):
         s1 = m.stats()
         second = H.generate(llm, H.PROMPTS["B"])
         H.drain(llm)
-        s2 = m.stats()
+        return first, s1, second, m.stats()
     finally:
         H.shutdown(llm)
+
+
+def test_full_disk_keeps_serving(reference, model_dir, tiny_tmpfs):
+    """Root on a tmpfs that holds one file: stores beyond it are dropped and counted,
+    requests keep being served with unchanged output, the stored block still hits.
+
+    io_depth=1 makes the outcome deterministic (one write at a time: the first fits);
+    with concurrent writes all three may fail on a nearly full disk, which is fine."""
+    llm = H.make_llm(model_dir, H.extra_config(tiny_tmpfs, io_depth=1))
+    first, s1, second, s2 = _b_twice(llm)
     assert H.same_output(first, reference["B"]) and H.same_output(second, reference["B"])
     # ENOSPC, or a short write (tmpfs returns the bytes that fit) counted as a write error
     dropped = s1["stores_dropped_enospc"] + s1["store_errors"]
@@ -261,16 +267,7 @@ def test_store_backpressure_drops_the_tail_and_keeps_output(reference, model_dir
     root = os.path.join(workdir, "root_backpressure")
     llm = H.make_llm(model_dir, H.extra_config(root, staging_bytes=4 * H.FILE_BYTES,
                                                io_depth=2, lookahead=2, copy_headroom=2))
-    try:
-        m = H.manager(llm)
-        first = H.generate(llm, H.PROMPTS["B"])
-        H.drain(llm)
-        s1 = m.stats()
-        second = H.generate(llm, H.PROMPTS["B"])
-        H.drain(llm)
-        s2 = m.stats()
-    finally:
-        H.shutdown(llm)
+    first, s1, second, s2 = _b_twice(llm)
     assert s1["stores"] == 3 and s1["stores_dropped_backpressure"] == 1, s1
     assert s1["stores_written"] == 2 and s1["ext_slot_waits"] == 0, s1
     assert second["num_cached_tokens"] == 2 * H.CHUNK
