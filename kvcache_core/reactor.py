@@ -752,6 +752,8 @@ class Reactor:
     def _start_write(self, t: _Task) -> None:
         """Write-back of a copied block: checksum, capacity, temp file, one ``io_depth``
         unit."""
+        if self.trace is not None:
+            self._trace("write_start", None, t.nbytes)
         self.layout.seal_header(self.pool.views[t.slot], t.nbytes)
         if not self.layout.reserve(t.wlen):
             self.stats.stores_dropped_capacity += 1
@@ -870,6 +872,8 @@ class Reactor:
                 self._drop_slot(t)
                 self._finish(t, False)
                 return
+            if self.trace is not None:
+                self._trace("write_done", None, t.nbytes)
             if published:
                 self.stats.stores_ok += 1
             else:
@@ -1095,6 +1099,12 @@ class Reactor:
             del self._ext_wait[slot]
         self._ext_owner[slot] = nxt.tid
         self._route(nxt)
+
+    def trace_event(self, event: str, req_id: Any = None, n: int = 0) -> None:
+        """Add an event of the caller's to the diagnostic trace (any thread; a no-op when
+        tracing is off). The vLLM worker marks its engine steps with it."""
+        if self.trace is not None:
+            self._trace(event, req_id, n)
 
     def _trace(self, event: str, req_id: Any, n: int) -> None:
         tr = self.trace

@@ -11,7 +11,7 @@
 #   bash scripts/h200_runs.sh preload50 llama-3.2-3b # issue 4 as written: 50 clients (TOKENS=)
 #   bash scripts/h200_runs.sh mixed   llama-3.2-3b   # issue 4: 50 x 64k, 50% reuse, conc 8
 #   bash scripts/h200_runs.sh queue   llama-3.2-3b   # issue 5 item 4: queue-aware preload
-#   bash scripts/h200_runs.sh trace   llama-3.2-3b   # what the reactor did during each TTFT
+#   bash scripts/h200_runs.sh trace   llama-3.2-3b   # what the reactor and engine did per TTFT
 #   bash scripts/h200_runs.sh wbab    llama-3.2-3b   # issue 9: write-back deferred vs not (A/B)
 #   bash scripts/h200_runs.sh sharegpt llama-3.2-3b  # issue 9 item 4: ShareGPT replay, 5 configs
 #   bash scripts/h200_runs.sh scbench llama-3.2-3b   # issue 10 item 3: multi-turn shared contexts
@@ -89,11 +89,21 @@ case "$STEP" in
       done
     done ;;
   trace)
-    # diagnostics: per request, the reactor's events inside its TTFT window
-    "${B[@]}" --json "$RES/trace-run-$M.json" --tokens 1024,4096,16384 \
-      --configs recompute,kvcache_dram,kvcache_disk --trace "$RES/trace-$M"
+    # diagnostics: per request, the reactor's events and the engine's steps (host time
+    # launching each forward) inside its TTFT window; TOKENS and CONFIGS narrow a call.
+    # DEFER (ms, optional): one more kvcache_dram engine with the write-back deferred
+    # behind foreground work, traced separately (trace-defer-$M).
+    "${B[@]}" --json "$RES/trace-run-$M.json" --tokens "${TOKENS:-4096,16384,65536}" \
+      --configs "${CONFIGS:-recompute,kvcache_dram,kvcache_disk}" --trace "$RES/trace-$M" || true
     python3 scripts/trace_report.py "$RES/trace-$M" --json "$RES/trace-report-$M.json" \
-      > "$RES/trace-report-$M.txt" ;;
+      > "$RES/trace-report-$M.txt" || true
+    if [ -n "${DEFER:-}" ]; then
+      KVCACHE_WRITEBACK_DEFER_MS=$DEFER "${B[@]}" --no-probe \
+        --json "$RES/trace-defer-run-$M.json" --tokens "${TOKENS:-4096,16384,65536}" \
+        --configs kvcache_dram --trace "$RES/trace-defer-$M" || true
+      python3 scripts/trace_report.py "$RES/trace-defer-$M" \
+        --json "$RES/trace-defer-report-$M.json" > "$RES/trace-defer-report-$M.txt" || true
+    fi ;;
   sharegpt)
     # issue 9 item 4: real ShareGPT chat traffic (history up to each turn) at 32 req/s,
     # Poisson, through vLLM's OpenAI server, GPU prefix cache on in all 5 configs. The

@@ -42,10 +42,23 @@ def window(events: list, times: list[float], t0: float, t1: float) -> dict[str, 
     i, j = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
     counts: dict[str, int | float] = defaultdict(int)
     last_store_done = None
-    for t, ev, _rid, _n in events[i:j]:
+    fwd_t = None
+    for t, ev, _rid, n in events[i:j]:
         counts[ev] += 1
         if ev == "done_store":
             last_store_done = t
+        elif ev == "fwd_start":  # the worker's step marks: host time launching a forward
+            fwd_t = t
+            counts.setdefault("first_fwd_after_submit_ms", (t - t0) * 1e3)
+        elif ev == "fwd_end" and fwd_t is not None:
+            d = (t - fwd_t) * 1e3
+            counts["launch_ms"] += d
+            counts["launch_max_ms"] = max(counts["launch_max_ms"], d)
+            fwd_t = None
+        elif ev == "direct_done":  # a DRAM hit copied by the worker thread
+            counts["direct_done_ms"] = (t - t0) * 1e3
+        elif ev == "write_done":
+            counts["written_mb"] += n / 2**20
     counts["last_store_done_before_token_ms"] = (
         (t1 - last_store_done) * 1e3 if last_store_done is not None else -1)
     return dict(counts)
@@ -66,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         times = [e[0] for e in events]
         print(f"== {name}: {len(reqs)} requests, {len(events)} reactor events")
         print(f"{'request':>16} {'tokens':>7} {'ttft ms':>9} {'stores':>6} {'copied':>6} "
-              f"{'st done':>7} {'loads':>5} {'ld done':>7} {'last st->tok ms':>15}")
+              f"{'st done':>7} {'loads':>5} {'ld done':>7} {'last st->tok ms':>15} "
+              f"{'steps':>5} {'launch ms':>9} {'max':>6} {'1st fwd ms':>10} {'wr MB':>7}")
         for rid, n_tok, t0, t1 in reqs:
             w = window(events, times, t0, t1)
             row = {"engine": name, "request": rid, "tokens": n_tok, "ttft_ms": (t1 - t0) * 1e3,
@@ -75,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{rid:>16} {n_tok:>7} {row['ttft_ms']:>9.1f} {w.get('store', 0):>6} "
                   f"{w.get('store_copied', 0):>6} {w.get('done_store', 0):>7} "
                   f"{w.get('load', 0):>5} {w.get('done_load', 0):>7} "
-                  f"{w['last_store_done_before_token_ms']:>15.1f}")
+                  f"{w['last_store_done_before_token_ms']:>15.1f} {w.get('fwd_start', 0):>5} "
+                  f"{w.get('launch_ms', 0):>9.1f} {w.get('launch_max_ms', 0):>6.1f} "
+                  f"{w.get('first_fwd_after_submit_ms', -1):>10.1f} "
+                  f"{w.get('written_mb', 0):>7.0f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

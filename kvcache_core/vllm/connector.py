@@ -346,6 +346,9 @@ class OffloadingConnector(_VllmOffloadingConnector):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.start_preloads()
+        w = self._our_worker()
+        if w is not None and w.reactor.trace is not None:
+            w.reactor.trace_event("fwd_start")  # diagnostics: the step's forward begins
         super().start_load_kv(forward_context, **kwargs)
 
     # ------------------------------------------------------------------ worker role

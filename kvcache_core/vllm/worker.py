@@ -199,6 +199,7 @@ class PyKVCacheWorker(OffloadingWorker):
             self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots),
                                       self._gpu_bytes(refs), t0)
             self.reactor.note_foreground()
+            self.reactor.trace_event("direct_load", job_id, len(refs))
             self._direct[job_id] = self.copier.load_direct(slots, refs)
             self.timing["main_submit_load_s"] += time.perf_counter() - t0
             return True
@@ -279,6 +280,7 @@ class PyKVCacheWorker(OffloadingWorker):
         done = [j for j, h in self._direct.items() if self.copier.done(h)]
         for j in done:
             del self._direct[j]
+            self.reactor.trace_event("direct_done", j)
             job = self._jobs.pop(j)
             self._load_done(job, None)
             self._results.append(TransferResult(j, True, job.gpu_bytes,
@@ -287,6 +289,8 @@ class PyKVCacheWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call (all reported successful; see module doc)."""
         t0 = time.perf_counter()
+        if self.reactor.trace is not None:
+            self.reactor.trace_event("fwd_end")  # diagnostics: vLLM calls this per step
         self._drain()
         out, self._results = self._results, []
         self.timing["main_get_finished_s"] += time.perf_counter() - t0
