@@ -73,76 +73,8 @@ PREEMPTED = 1 << 9   # (internal) preload to close and re-queue when its open co
 # op codes in the low bits of an I/O tag
 OP_OPEN, OP_READ, OP_WOPEN, OP_WRITE, OP_FSYNC, OP_CLOSE, OP_WCLOSE = range(7)
 OP_BITS = 3
-#: interpreter switch interval while a foreground load is in flight (None: keep the
-#: interpreter's; see :class:`SwitchGovernor`)
+#: interpreter switch interval the reactor sets when the current one is larger (None: keep)
 SWITCH_INTERVAL_S = 0.0005
-
-
-class SwitchGovernor:
-    """The process's interpreter switch interval, shared by every reactor in it.
-
-    The reactor is a Python thread beside vLLM's engine thread, and they share the GIL.
-    A low switch interval (``low``) makes the engine thread hand the GIL over within
-    ``low`` seconds whenever the reactor wants it: that keeps an on-demand disk load (a
-    request waits for it) moving, but each handoff interrupts the engine while it launches
-    a forward pass. Measured on the H200 (``scripts/h200_runs.sh trace``): with 0.5 ms
-    always on, background write-back doubled the host time per prefill step (13.5 ->
-    25-28 ms on the 3B) and made a storing 64k request 1.16x slower than recompute. So the
-    low interval holds only while at least one foreground load is in flight in some
-    reactor of the process; otherwise the interpreter's own interval (5 ms by default) is
-    back, and write-back, store acknowledgements and preloads get the GIL when the engine
-    thread blocks (on the GPU, between steps) instead of by preemption.
-
-    Env ``KVCACHE_SWITCH_ALWAYS_LOW=1`` (diagnostics, A/B runs) restores the previous policy:
-    ``low`` for the whole life of the process.
-
-    Thread safety: :meth:`enter` / :meth:`leave` may be called from any thread; each
-    ``enter`` must be matched by exactly one ``leave``.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._busy = 0
-        self._high: float | None = None  # the interpreter's interval before we changed it
-        self._low: float | None = None
-
-    def configure(self, low: float | None) -> bool:
-        """Register a reactor's low interval; False when it would not lower anything."""
-        with self._lock:
-            if self._high is None:
-                self._high = sys.getswitchinterval()
-            if low is None or low >= self._high:
-                return False
-            if os.environ.get("KVCACHE_SWITCH_ALWAYS_LOW") == "1":
-                # diagnostic knob: the previous policy (low all the time), for A/B runs
-                sys.setswitchinterval(low)
-                return False
-            if self._low is None or low < self._low:
-                self._low = low
-                log.info("py-kvcache: interpreter switch interval %.4f s while a disk load is "
-                         "in flight, %.4f s otherwise", low, self._high)
-            return True
-
-    def enter(self) -> None:
-        with self._lock:
-            self._busy += 1
-            if self._busy == 1 and self._low is not None:
-                sys.setswitchinterval(self._low)
-
-    def leave(self) -> None:
-        with self._lock:
-            self._busy -= 1
-            if self._busy == 0 and self._high is not None:
-                sys.setswitchinterval(self._high)
-
-    @property
-    def busy(self) -> int:
-        """Foreground loads in flight in this process (diagnostics and tests)."""
-        return self._busy
-
-
-#: the one governor of this process
-GOVERNOR = SwitchGovernor()
 
 
 @dataclass
@@ -264,11 +196,9 @@ class Reactor:
     no free staging slot above the foreground reservation is dropped and counted) or
     ``"wait"`` (benchmarks and tests: it waits for a slot, FIFO). ``write_depth``: most
     file writes in flight (default: io_depth // 2 with "drop", io_depth with "wait").
-    ``switch_interval``: while a foreground load is in flight, the process's
-    ``sys.setswitchinterval`` is lowered to this (when larger), because GIL handoffs with a
-    busy host process (vLLM's engine loop) otherwise throttle the load; the interpreter's
-    own value is back when no foreground load is in flight (:class:`SwitchGovernor`).
-    ``None`` leaves the interpreter alone.
+    ``switch_interval``: the reactor lowers ``sys.setswitchinterval`` to this (process
+    wide) when it is larger, because GIL handoffs with a busy host process (vLLM's engine
+    loop) otherwise throttle it; ``None`` leaves the interpreter alone.
     Items are ``(key, ref, nbytes)`` or ``(key, ref, nbytes, slot, flags)``: ``slot`` >= 0
     names an external slot (index ``n_slots + i``) owned by the caller for the whole
     request; a load with ``IN_SLOT`` takes the bytes already in that slot (no disk), a
@@ -292,9 +222,14 @@ class Reactor:
         self.store_drop = store_policy == "drop"
         self.layout = layout
         self.slot_bytes = layout.ns.file_bytes
-        #: foreground loads lower the process's switch interval while in flight (see
-        #: :class:`SwitchGovernor`); False when ``switch_interval`` would not lower it
-        self._governed = GOVERNOR.configure(switch_interval)
+        if switch_interval is not None and sys.getswitchinterval() > switch_interval:
+            # The reactor is a Python thread: inside vLLM it shares the GIL with the engine's
+            # busy loop, and every I/O completion needs the GIL back. With CPython's default
+            # 5 ms switch interval that handoff dominates (scripts/bench_gil.py: 0.8 vs
+            # 3.3 GB/s with a busy thread beside the reactor); 0.5 ms keeps it small.
+            log.info("py-kvcache: lowering the interpreter switch interval %.4f -> %.4f s",
+                     sys.getswitchinterval(), switch_interval)
+            sys.setswitchinterval(switch_interval)
         self.io_depth = io_depth
         #: most file writes in flight at once. Serving (``store_policy="drop"``): half the
         #: io_depth, so an on-demand read can always start (writes reach most of a disk's
@@ -430,8 +365,6 @@ class Reactor:
                                  f"({self.n_staging}..{n_pool - 1})")
         if self.writeback_defer_s and prio == Priority.FOREGROUND:
             self._fg_stamp = time.monotonic()
-        if self._governed and kind == LOAD and prio == Priority.FOREGROUND:
-            GOVERNOR.enter()  # left in _complete (or _fail_inbox)
         with self._cv:
             self._outstanding += 1
         self._inbox.append(("req", req_id, kind, items, prio))
@@ -1190,8 +1123,6 @@ class Reactor:
     def _complete(self, req: _Request) -> None:
         c = Completion(req.req_id, "load" if req.kind == LOAD else "store", req.ok,
                        req.cancelled)
-        if self._governed and req.kind == LOAD and req.prio == Priority.FOREGROUND:
-            GOVERNOR.leave()
         if self.trace is not None:
             self._trace("done_" + c.kind, req.req_id, len(req.ok))
         self._publish(c)

@@ -31,7 +31,7 @@ from helpers.kvutil import (
 import kvcache_core.io as kio
 from kvcache_core.copy import MemcpyCopier
 from kvcache_core.layout import HEADER_BYTES, round_up
-from kvcache_core.reactor import GOVERNOR, Reactor, SwitchGovernor
+from kvcache_core.reactor import Reactor
 from kvcache_core.staging import Priority
 
 
@@ -796,66 +796,3 @@ def test_unlink_refused_is_counted_and_the_reactor_keeps_serving(make_layout, ma
     r.load("L2", [(b"eacces-2", d, BLOCK)])
     assert finish(r)["L2"].ok == [True]
     check_dests([b"eacces-2"], [d])
-
-
-# --------------------------------------------------------------------------- GIL handoffs
-
-
-def test_switch_governor_lowers_only_while_busy_and_restores():
-    """The process's switch interval is low only between matched enter/leave calls, and
-    the interpreter's own value (whatever it was) comes back afterwards."""
-    saved = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.004)
-        g = SwitchGovernor()
-        assert g.configure(0.0005)
-        assert not g.configure(0.01)  # would not lower anything
-        assert sys.getswitchinterval() == pytest.approx(0.004)  # nothing in flight yet
-        g.enter()
-        g.enter()
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-        g.leave()
-        assert sys.getswitchinterval() == pytest.approx(0.0005)  # one still in flight
-        g.leave()
-        assert sys.getswitchinterval() == pytest.approx(0.004)
-        assert g.busy == 0
-    finally:
-        sys.setswitchinterval(saved)
-
-
-@pytest.mark.parametrize("engine", ["posix"])
-def test_switch_interval_is_low_only_while_a_foreground_load_is_in_flight(
-        make_layout, make_reactor):
-    """A foreground load holds the low interval from submission to completion (its open
-    is kept blocked on a FIFO); stores and speculative preloads never lower it."""
-    lay = make_layout()
-    col = Collector()
-    r = make_reactor(lay, n_slots=6, io_depth=4, lookahead=4, on_complete=col)
-    high = GOVERNOR._high
-    if GOVERNOR._low is None or not GOVERNOR._low < high:
-        pytest.skip("the interpreter's switch interval is already at the reactor's")
-    assert sys.getswitchinterval() == pytest.approx(high)
-    k = keys_of("st", 1)[0]
-    r.store("S", [(k, payload(k, BLOCK), BLOCK)])
-    assert col.get("S", 10).ok == [True]
-    assert sys.getswitchinterval() == pytest.approx(high)
-    fifo = _fifo_keys(lay, "gov", 2)
-    try:
-        r.load("P", [(fifo[0], sentinel_buf(BLOCK), BLOCK)], Priority.SPECULATIVE)
-        assert wait_until(_thread_in_openat, 10)
-        assert sys.getswitchinterval() == pytest.approx(high)  # a preload: no
-        r.load("L", [(fifo[1], sentinel_buf(BLOCK), BLOCK)])
-        assert sys.getswitchinterval() == pytest.approx(GOVERNOR._low)
-        assert wait_until(lambda: _threads_in_openat() >= 2, 10)  # both opens blocked
-        _release_fifos(lay, fifo)
-        assert col.get("L", 10) is not None and col.get("P", 10) is not None
-        assert wait_until(lambda: sys.getswitchinterval() == pytest.approx(high), 5)
-        d = sentinel_buf(BLOCK)
-        r.load("L2", [(k, d, BLOCK)])
-        assert col.get("L2", 10).ok == [True] and bytes(d) == payload(k, BLOCK)
-        assert sys.getswitchinterval() == pytest.approx(high)
-    finally:
-        _release_fifos(lay, fifo)
-        for f in fifo:
-            if os.path.exists(lay.path_for(f)):
-                os.unlink(lay.path_for(f))

@@ -23,9 +23,6 @@ all in one run, each engine in its own process group:
                 ``--preload-lookahead``; needs the patched vLLM) / off (preload_lookahead 0);
                 load phase in a fresh process, page cache dropped; a DRAM tier of the same
                 size as native_fs's CPU tier (1.3 documents), cold at the start
-  kvcache_dram_lowgil
-                kvcache_dram with the interpreter switch interval at 0.5 ms for the whole
-                run (the policy before issue 9's GIL fix; env KVCACHE_SWITCH_ALWAYS_LOW=1)
   kvcache_gate_queue
                 kvcache_disk_gate plus queue_aware_preload: a disk prefix the gate refuses
                 on demand is preloaded while its request queues and loaded only if staged
@@ -90,10 +87,8 @@ from .common import save_loglog
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL_CONFIGS = ["recompute", "native_cpu", "native_fs", "kvcache_disk", "kvcache_dram",
                "kvcache_disk_gate", "kvcache_dram_gate", "kvcache_preload", "kvcache_nopreload",
-               "recompute_cold", "kvcache_gate_queue", "kvcache_dram_lowgil"]
+               "recompute_cold", "kvcache_gate_queue"]
 BASE_CONFIGS = ALL_CONFIGS[:5]
-#: extra environment of a configuration's engine process (A/B of a diagnostic knob)
-ENV_OF = {"kvcache_dram_lowgil": {"KVCACHE_SWITCH_ALWAYS_LOW": "1"}}
 COLD_PROCESS = {"native_fs", "kvcache_disk", "kvcache_disk_gate", "kvcache_preload",
                 "kvcache_nopreload", "recompute_cold", "kvcache_gate_queue"}
 GATE_OF = {"kvcache_disk_gate": "disk", "kvcache_dram_gate": "dram",
@@ -310,8 +305,7 @@ def _run_child(args, config: str, phase: str, timeout: float,
            str(args.preload_lookahead), "--gate-table-path", args.gate_table_path or "",
            "--workload", args.workload, "--question-tokens", str(args.question_tokens)]
     env = dict(os.environ, PYTHONHASHSEED="0",
-               KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"),
-               **ENV_OF.get(config, {}))
+               KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"))
     if args.trace:
         env["KVCACHE_TRACE"] = os.path.join(args.trace, f"{config}-{phase}")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
