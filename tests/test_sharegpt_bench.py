@@ -347,7 +347,7 @@ def test_transfer_configs_share_one_cpu_budget(tmp_path):
                            preload_lookahead=4, cpu_bytes=8 << 30, _max_disk_bytes=0)
     assert S.transfer_config("prefix_cache", args) is None
     cfgs = {c: S.transfer_config(c, args)["kv_connector_extra_config"]
-            for c in S.ALL_CONFIGS[1:]}
+            for c in S.DEFAULT_CONFIGS[1:]}
     cpu = [cfgs["native_cpu"]["cpu_bytes_to_use"], cfgs["native_fs"]["cpu_bytes_to_use"],
            cfgs["kvcache_dram"]["dram_cache_bytes"]]
     assert all(abs(c - (8 << 30)) < 16 for c in cpu), cpu
@@ -356,6 +356,11 @@ def test_transfer_configs_share_one_cpu_budget(tmp_path):
     assert cfgs["kvcache_disk"]["root_dir"] == str(tmp_path / "kvcache_disk")
     assert all(cfgs[c]["block_size"] == 256 for c in cfgs)
     assert "max_disk_bytes" not in cfgs["kvcache_dram"]
+    assert "breakeven_table" not in cfgs["kvcache_dram"]
+    args.gate_table = "/t/breakeven.json"  # the operator's config: kvcache_dram + its table
+    gate = S.transfer_config("kvcache_dram_gate", args)["kv_connector_extra_config"]
+    assert gate["breakeven_table"] == "/t/breakeven.json"
+    assert gate["dram_cache_bytes"] == cfgs["kvcache_dram"]["dram_cache_bytes"]
     args._max_disk_bytes = 10 << 30
     assert S.transfer_config("kvcache_disk", args)["kv_connector_extra_config"][
         "max_disk_bytes"] == 10 << 30

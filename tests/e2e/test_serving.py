@@ -303,6 +303,36 @@ def test_dead_reactor_turns_the_engine_recompute_only(dram_run, reference, model
     assert second["num_cached_tokens"] == 0
 
 
+def test_short_prompts_stay_in_dram_without_files(reference, model_dir, workdir):
+    """disk_min_prefix_tokens=950: C (900 tokens) is stored into the DRAM tier only (no
+    file; its repeat is a DRAM hit with the same output), A (1000 tokens) writes its
+    three files as before."""
+    root = os.path.join(workdir, "root_short")
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES,
+                                               disk_min_prefix_tokens=950))
+    try:
+        m = H.manager(llm)
+        c1 = H.generate(llm, C)
+        H.drain(llm)
+        s1 = m.stats()
+        files_c = H.cache_files(root)
+        c2 = H.generate(llm, C)
+        a1 = H.generate(llm, A)
+        H.drain(llm)
+        s2 = m.stats()
+        files_a = H.cache_files(root)
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(c1, reference["C"]) and H.same_output(c2, reference["C"])
+    assert H.same_output(a1, reference["A"])
+    assert s1["stores_dram_only_short"] == 3 and s1.get("stores_written", 0) == 0, s1
+    assert files_c == set()
+    assert c2["num_cached_tokens"] == 3 * H.CHUNK  # DRAM hit of the short prompt
+    d = H.delta(s2, s1)
+    assert d.get("hits_dram") == 3 and d.get("stores_written") == 3, d
+    assert len(files_a) == 3 and s2["dram_writeback_pinned"] == 0
+
+
 def test_config_errors_name_the_key(model_dir, workdir):
     root = os.path.join(workdir, "root_cfg")
     r = H.run_proc({"model_dir": model_dir, "expect_error": [
@@ -312,6 +342,7 @@ def test_config_errors_name_the_key(model_dir, workdir):
         H.extra_config(root, staging_bytes=H.FILE_BYTES),
         H.extra_config(root, preload_lookahead=-1),
         H.extra_config(root, breakeven_table=5),
+        H.extra_config(root, disk_min_prefix_tokens="4k"),
     ]})
     errs = r["errors"]
     assert all(e is not None for e in errs), errs
@@ -321,6 +352,7 @@ def test_config_errors_name_the_key(model_dir, workdir):
     assert "ConfigError" in errs[3] and "'staging_bytes'" in errs[3]
     assert "ConfigError" in errs[4] and "'preload_lookahead'" in errs[4]
     assert "ConfigError" in errs[5] and "'breakeven_table'" in errs[5]
+    assert "ConfigError" in errs[6] and "'disk_min_prefix_tokens'" in errs[6]
 
 
 def test_tensor_parallel_2(model_dir, workdir):

@@ -46,6 +46,12 @@ def test_parse_extra_config_errors_name_the_key():
         O.parse_extra_config({**base, "queue_aware_preload": True})
     assert O.parse_extra_config({**base, "breakeven_table": "t.json",
                                  "queue_aware_preload": True}).queue_aware_preload
+    for bad in (-1, "4k", True, 1.5):
+        with pytest.raises(ConfigError, match="'disk_min_prefix_tokens'"):
+            O.parse_extra_config({**base, "disk_min_prefix_tokens": bad})
+    assert O.parse_extra_config(base).disk_min_prefix_tokens == "auto"
+    assert O.parse_extra_config({**base, "disk_min_prefix_tokens": 4096}
+                                ).disk_min_prefix_tokens == 4096
     with pytest.raises(ConfigError, match="'dram_cache_bytes'"):
         O.pool_geometry(StorageConfig(dram_cache_bytes=4096),
                         Namespace("m", "bf16", 256, 1 << 20))
@@ -401,6 +407,34 @@ def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_avai
     m.prepare_store([key(7)], r)
     m.complete_store([key(7)], r)
     assert m.stats()["dram_writeback_pinned"] == 0
+
+
+def test_manager_short_requests_keep_dram_only_and_pin_nothing(tmp_path, vllm_available):
+    """disk_min_prefix_tokens: a request the connector marked short stores into the DRAM
+    tier without files (no_disk, slot not pinned for a write-back, counted); without a
+    DRAM slot its chunks are skipped; a long request in the same step still writes."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    m = PyKVCacheManager(str(tmp_path), [Namespace("m", "bf16", 256, 1 << 16)], n_dram=2)
+    short, long_ = ReqContext("short"), ReqContext("long")
+    m.short_requests.add("short")
+    out = m.prepare_store([key(1)], short)
+    assert out.store_spec.no_disk and out.store_spec.dram_slots == [0]
+    out_l = m.prepare_store([key(2)], long_)
+    assert not out_l.store_spec.no_disk and out_l.store_spec.dram_slots == [1]
+    m.complete_store([key(1)], short)
+    m.complete_store([key(2)], long_)
+    st = m.stats()
+    assert st["dram_writeback_pinned"] == 1  # key(2) only: key(1) has no file coming
+    assert st["stores_dram_only_short"] == 1
+    out = m.prepare_store([key(3)], short)  # reclaims key(1)'s slot (unpinned)
+    assert out.store_spec.dram_slots == [0] and out.evicted_keys == [key(1)]
+    m.complete_store([key(3)], short)
+    m.prepare_store([key(9)], long_)  # both slots taken (key(2) pinned, key(3) evictable)
+    assert m.prepare_store([key(4)], short).keys_to_store == []  # no slot, no file: skip
+    assert m.stats()["stores_skipped_short"] == 1
 
 
 def test_worker_with_a_dead_reactor_fails_loads_and_reports_it(worker):
