@@ -111,7 +111,9 @@ case "$STEP" in
     # prepare) and carried as .gpu/sharegpt-llama3.jsonl.gz. 5 x (server start 30-80 s +
     # 2,000 requests ~70 s) may not fit one call: no config starts after BUDGET seconds
     # (if the longest so far would not fit), and the next call resumes with the rest.
-    # N, RATE, CONFIGS, TIMEOUT (per config) and BUDGET narrow a call.
+    # N, RATE, CONFIGS, TIMEOUT (per config), BUDGET and ROUNDS (interleaved rounds of the
+    # configurations) narrow a call. kvcache_dram_gate = kvcache_dram + this node's
+    # break-even table (docs/results/h200/breakeven-$M.json): the operator's configuration.
     # vLLM's OpenAI server needs two wheels the runtime lacks: carry them in .gpu/extra/
     # (pip download jmespath==1.0.1 model-hosting-container-standards==0.1.16) or build
     # the runtime with EXTRA_WHEELS naming them
@@ -123,7 +125,7 @@ case "$STEP" in
       --workload "${WORKLOAD:-.gpu/sharegpt-llama3.jsonl.gz}" --root "$ROOT" \
       --json "$RES/sharegpt-$M.json" --machine "H200 (GPU machine)" --resume \
       --n "${N:-2000}" --rate "${RATE:-32}" --timeout "${TIMEOUT:-240}" \
-      --budget "${BUDGET:-420}" \
+      --budget "${BUDGET:-420}" --rounds "${ROUNDS:-1}" \
       --configs "${CONFIGS:-prefix_cache,kvcache_dram,native_cpu,kvcache_disk,native_fs}" ;;
   scbench)
     # issue 10 item 3: SCBench-like multi-turn: 4 shared contexts of $TOKENS tokens visited
