@@ -44,7 +44,13 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from ..config import ConfigError
-from .options import MODEL_DTYPE_KEY, check_block_size, parse_extra_config
+from .options import (
+    MODEL_DTYPE_KEY,
+    MODEL_IDENTITY_KEY,
+    check_block_size,
+    model_identity,
+    parse_extra_config,
+)
 
 log = logging.getLogger("vllm.pykvcache")
 
@@ -161,6 +167,23 @@ class _QueueAdmission:
         return True
 
 
+_IDENTITY_LOGGED: set[tuple[str, str]] = set()
+
+
+def _identity_of(vllm_config: VllmConfig) -> str:
+    """:func:`model_identity` of this engine's model (cheap: config hash and 64 KiB per
+    weight file), logged once per process and model."""
+    load_format = str(getattr(vllm_config.load_config, "load_format", "") or "")
+    digest, parts = model_identity(vllm_config.model_config, load_format)
+    seen = (str(vllm_config.model_config.model), digest)
+    if seen not in _IDENTITY_LOGGED:
+        _IDENTITY_LOGGED.add(seen)
+        log.info("py-kvcache: model identity %s (%s): part of the cache namespace, so a "
+                 "change of any of these never serves stale KV", digest,
+                 ", ".join(f"{k}={v or '-'}" for k, v in parts.items()))
+    return digest
+
+
 def prepare_vllm_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
     """Validate our extra config and inject the private keys (idempotent, both roles)."""
     kvt = vllm_config.kv_transfer_config
@@ -182,8 +205,10 @@ def prepare_vllm_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
             raise ConfigError(f"py-kvcache supports full-attention KV cache groups only; this "
                               f"model has a {type(spec).__name__} group")
     dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
-    if extra.get(MODEL_DTYPE_KEY) != dtype:
+    identity = _identity_of(vllm_config)
+    if extra.get(MODEL_DTYPE_KEY) != dtype or extra.get(MODEL_IDENTITY_KEY) != identity:
         extra[MODEL_DTYPE_KEY] = dtype
+        extra[MODEL_IDENTITY_KEY] = identity
         kvt.kv_connector_extra_config = extra
     if kvt.kv_load_failure_policy != opts.load_failure_policy:
         log.info("py-kvcache: kv_load_failure_policy=%s (a missing or corrupt cache block %s)",

@@ -13,11 +13,14 @@ DRAM slot numbering.
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 from ..config import ConfigError, StorageConfig
 from ..layout import Namespace
@@ -31,6 +34,16 @@ _seed_set_by_us = False
 #: model's torch dtype as a string ("bfloat16"). vLLM's OffloadingConfig only carries the
 #: KV-cache dtype string, which is "auto" unless --kv-cache-dtype is given.
 MODEL_DTYPE_KEY = "_pykvcache_model_dtype"
+#: Private key injected the same way: the fingerprint of everything about the model that
+#: changes its KV bytes but not its name (:func:`model_identity`).
+MODEL_IDENTITY_KEY = "_pykvcache_model_identity"
+#: hf_config fields that do not change the KV (bookkeeping of the file that was read)
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash",
+                         "_attn_implementation_autoset")
+#: weight files are fingerprinted by name, size and their last bytes (cheap: a fine-tune
+#: written over the same files changes them, a copy to another path does not)
+WEIGHT_TAIL_BYTES = 1 << 16
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".index.json")
 
 #: Keys that vLLM itself reads from kv_connector_extra_config for an OffloadingSpec
 #: (factory.py: spec_name/spec_module_path; offloading/config.py: block_size (also ours)
@@ -41,7 +54,7 @@ VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk
 GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookahead",
                                "preload_max_blocks", "breakeven_table", "queue_aware_preload",
                                "disk_min_prefix_tokens")
-PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY,)
+PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY, MODEL_IDENTITY_KEY)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
 RESERVED_KEYS: dict[str, str] = {}
@@ -105,6 +118,8 @@ class VllmOptions:
     queue_aware_preload: bool = False
     #: int, or "auto" (resolved by the connector from the break-even table)
     disk_min_prefix_tokens: int | str = "auto"
+    #: :func:`model_identity` digest injected by the connector (None: not known)
+    model_identity: str | None = None
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -176,7 +191,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
                        load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
                        preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt,
-                       queue_aware_preload=qa, disk_min_prefix_tokens=dm)
+                       queue_aware_preload=qa, disk_min_prefix_tokens=dm,
+                       model_identity=ex.get(MODEL_IDENTITY_KEY))
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:
@@ -229,6 +245,65 @@ def ensure_hash_seed() -> str:
     log.info("py-kvcache: PYTHONHASHSEED=%s: block hashes are stable; every instance sharing "
              "root_dir must use the same value to share blocks", seed)
     return seed
+
+
+def _weights_fingerprint(model_dir: str) -> str:
+    """Names, sizes and last :data:`WEIGHT_TAIL_BYTES` of the weight files directly in
+    ``model_dir`` ('' when it is not a local directory or holds none)."""
+    if not os.path.isdir(model_dir):
+        return ""
+    h = xxhash.xxh3_128()
+    n = 0
+    for name in sorted(os.listdir(model_dir)):
+        if not name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        path = os.path.join(model_dir, name)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(max(0, size - WEIGHT_TAIL_BYTES))
+                tail = f.read(WEIGHT_TAIL_BYTES)
+        except OSError:
+            continue
+        h.update(f"{name}\0{size}\0".encode())
+        h.update(tail)
+        n += 1
+    return h.hexdigest()[:16] if n else ""
+
+
+def model_identity(model_config: Any, load_format: str = "") -> tuple[str, dict[str, str]]:
+    """Fingerprint of what changes a model's KV bytes besides its name and dtypes (issue 12
+    item 3): revision, quantization, hf_overrides, the model config (hf_config, without the
+    fields that only record where it was read from), the load format and, for a local
+    model directory, its weight files (:func:`_weights_fingerprint`). Returns (16-hex
+    digest, the components that went into it, for the start-up log). Pure apart from
+    reading the weight files' tails; the connector calls it once per process."""
+    def text(v: Any) -> str:
+        if v is None:
+            return ""
+        if callable(v):  # hf_overrides may be a function: its qualified name identifies it
+            return f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', repr(v))}"
+        try:
+            return json.dumps(v, sort_keys=True, default=str)
+        except (TypeError, ValueError):
+            return repr(v)
+
+    hf = getattr(model_config, "hf_config", None)
+    cfg: Any = None
+    if hf is not None:
+        to_dict = getattr(hf, "to_dict", None)
+        cfg = to_dict() if callable(to_dict) else dict(getattr(hf, "__dict__", {}))
+        cfg = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG_KEYS}
+    parts = {
+        "revision": text(getattr(model_config, "revision", None)),
+        "quantization": text(getattr(model_config, "quantization", None)),
+        "hf_overrides": text(getattr(model_config, "hf_overrides", None) or None),
+        "config": xxhash.xxh3_128_hexdigest(text(cfg).encode())[:16] if cfg is not None else "",
+        "load_format": str(load_format or ""),
+        "weights": _weights_fingerprint(str(getattr(model_config, "model", "") or "")),
+    }
+    digest = xxhash.xxh3_128_hexdigest(json.dumps(parts, sort_keys=True).encode())[:16]
+    return digest, parts
 
 
 def namespace_dtype(model_dtype: str | None, cache_dtype: str) -> str:

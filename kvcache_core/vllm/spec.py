@@ -90,6 +90,8 @@ class PyKVCacheSpec(OffloadingSpec):
             tp_size=par.tp_size, pp_size=par.pp_size, pcp_size=par.pcp_size,
             dcp_size=par.dcp_size, device=_device_type())
         model = self.options.model_id or config.model.name
+        if self.options.model_identity:  # revision, quantization, config, weights (issue 12)
+            model = f"{model}@{self.options.model_identity}"
         self.rank = par.rank
         self.world_size = par.world_size
         self.namespaces = [

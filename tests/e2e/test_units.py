@@ -636,3 +636,47 @@ def test_manager_staged_blocks_count_as_fast_tier(tmp_path, vllm_available, monk
     monkeypatch.setattr(M.time, "monotonic", lambda: 1e12)  # past the TTL
     m.begin_lookup()
     assert m.lookup(ks[2], r) == LookupResult.HIT and m.lookup_tier() == "disk"
+
+
+# ------------------------------------------------------------------------ model identity
+def _mc(model: str, **kw):
+    from types import SimpleNamespace
+
+    cfg = kw.pop("cfg", {"hidden_size": 256, "num_hidden_layers": 2, "rope_theta": 1e4})
+    hf = SimpleNamespace(to_dict=lambda: {**cfg, "_name_or_path": model})
+    return SimpleNamespace(model=model, revision=kw.get("revision"),
+                           quantization=kw.get("quantization"),
+                           hf_overrides=kw.get("hf_overrides"), hf_config=hf)
+
+
+def test_model_identity_changes_with_everything_that_changes_the_kv(tmp_path):
+    """Issue 12 item 3: revision, quantization, hf_overrides, the model config, the load
+    format and the weight files each change the identity (so the namespace); the path
+    the same weights are read from does not."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "model-00001.safetensors").write_bytes(b"w" * 200_000)
+        (d / "config.json").write_text("{}")
+    base, parts = O.model_identity(_mc(str(a)), "auto")
+    assert len(base) == 16 and parts["weights"] and parts["config"]
+    assert O.model_identity(_mc(str(b)), "auto")[0] == base  # same weights, other path
+    variants = [
+        O.model_identity(_mc(str(a), revision="v2"), "auto"),
+        O.model_identity(_mc(str(a), quantization="fp8"), "auto"),
+        O.model_identity(_mc(str(a), hf_overrides={"rope_theta": 2e4}), "auto"),
+        O.model_identity(_mc(str(a), cfg={"hidden_size": 256, "num_hidden_layers": 3}),
+                         "auto"),
+        O.model_identity(_mc(str(a)), "dummy"),
+    ]
+    digests = [v[0] for v in variants]
+    assert base not in digests and len(set(digests)) == len(digests)
+    # weights updated in place (same names and sizes, new values at the end of the file)
+    with open(a / "model-00001.safetensors", "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        f.write(b"0123456789")
+    assert O.model_identity(_mc(str(a)), "auto")[0] != base
+    # a hub name (no local directory): no weights part, still deterministic
+    hub = O.model_identity(_mc("meta-llama/Llama-3.2-3B"), "auto")
+    assert hub == O.model_identity(_mc("meta-llama/Llama-3.2-3B"), "auto")
+    assert hub[1]["weights"] == ""
