@@ -12,7 +12,7 @@ BENCH_ROOT ?= $(CURDIR)/.bench-root
 
 dev: $(VENV)/.stamp
 
-$(VENV)/.stamp: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS) $(wildcard vllm_patches/v0.26.0/*)
+$(VENV)/.stamp: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS) $(wildcard kvcache_core/vllm_patches/v0.26.0/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q torch==2.11.0 -c $(VLLM_CONSTRAINTS)
 	$(PIP) install -q -r $(VLLM_REQS) -c $(VLLM_CONSTRAINTS)

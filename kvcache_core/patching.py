@@ -2,7 +2,8 @@
 
 A target is a vLLM checkout (its root holds ``vllm/``), an installed package's
 site-packages directory, or the ``vllm`` package directory itself. The series for vLLM
-``X`` lives in ``vllm_patches/vX/series`` (one patch file name per line, ``#`` comments).
+``X`` lives in ``kvcache_core/vllm_patches/vX/series`` (one patch file name per line,
+``#`` comments).
 Patches are unified diffs with ``a/``/``b/`` prefixes applied with GNU ``patch -p1 -F0``
 (no fuzz: a context line that changed is a conflict, never a silent guess).
 
@@ -19,8 +20,9 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-PATCH_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "vllm_patches")
+#: the series ship as package data (kvcache_core/vllm_patches/v<X>/), so an installed wheel
+#: patches vLLM as a source checkout does
+PATCH_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_patches")
 
 
 class PatchError(RuntimeError):

@@ -50,7 +50,7 @@ def releases() -> tuple[list[str], dict]:
 
 
 def series() -> list[str]:
-    d = os.path.join(REPO, "vllm_patches", f"v{PINNED}")
+    d = os.path.join(REPO, "kvcache_core", "vllm_patches", f"v{PINNED}")
     with open(os.path.join(d, "series")) as f:
         names = [ln.split("#", 1)[0].strip() for ln in f]
     return [os.path.join(d, n) for n in names if n]
@@ -141,7 +141,8 @@ def write(report: dict, out: str) -> None:
         json.dump(report, f, indent=1)
     names = report["patches"]
     lines = ["# vLLM patch compatibility", "",
-             f"Series `vllm_patches/v{report['pinned']}/` tried on every newer vLLM release "
+             f"Series `kvcache_core/vllm_patches/v{report['pinned']}/` tried on every newer "
+             "vLLM release "
              f"(PyPI sdist), generated {report['generated']} by `make patch-rebase`. "
              "clean = applies (exactly or at an offset); fuzz = applies only with fuzz, review "
              "it; conflict = a hunk fails or the file is gone.", ""]

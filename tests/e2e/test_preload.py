@@ -1,7 +1,7 @@
 """Scheduler-driven preload against real, PATCHED vLLM 0.26 on the CPU platform.
 
-`make dev` applies vllm_patches/v0.26.0 to the venv's vLLM; these tests check that it did,
-that the scheduler hook offers the right requests in the right order, that a preloaded
+`make dev` applies kvcache_core/vllm_patches/v0.26.0 to the venv's vLLM; these tests check
+that it did, that the scheduler hook offers the right requests in the right order, that a preloaded
 block gives the same tokens as recompute, and an SCBench-like pressure run (multi-turn
 shared contexts replayed round-robin, DRAM tier smaller than the working set): staging
 stays within its budget and the disk reads no more than 1.1x what the scheduled requests
@@ -32,7 +32,7 @@ def _vllm_root() -> str:
 
 
 def test_the_installed_vllm_carries_the_series():
-    assert is_patched(), "run `make dev` (it applies vllm_patches/v0.26.0)"
+    assert is_patched(), "run `make dev` (it applies kvcache_core/vllm_patches/v0.26.0)"
     assert all(s.state == "applied" for s in check_series(_vllm_root()))
 
 
