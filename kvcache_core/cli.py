@@ -7,19 +7,25 @@ on every subcommand explaining every key, ``--json FILE`` wherever something is 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
+import stat
 import sys
 
 from .config import KEY_HELP, ConfigError, StorageConfig
+
+log = logging.getLogger("kvcache_core.cli")
 
 
 def _config_epilog() -> str:
     lines = ["configuration keys (JSON object, also valid in vLLM's kv_connector_extra_config):"]
     defaults = StorageConfig()
     for k in StorageConfig.keys():
-        lines.append(f"  {k} (default {getattr(defaults, k)!r}):\n      {KEY_HELP[k]}")
+        v = getattr(defaults, k)
+        shown = f"0o{v:o}" if k.endswith("_mode") else repr(v)
+        lines.append(f"  {k} (default {shown}):\n      {KEY_HELP[k]}")
     try:  # the vLLM glue's keys (no vLLM import needed)
         from .vllm.options import GLUE_KEY_HELP
     except Exception:  # pragma: no cover
@@ -42,18 +48,42 @@ def _cmd_bench_storage(args: argparse.Namespace) -> int:
 
 
 def _iter_namespaces(root: str):
-    for name in sorted(os.listdir(root)):
-        meta = os.path.join(root, name, "meta.json")
-        if os.path.isfile(meta):
-            with open(meta) as f:
-                yield name, json.load(f)
+    """Yield (directory name, meta.json contents) of every namespace under ``root``.
+
+    Never follows a symbolic link: a linked namespace directory or ``meta.json`` is
+    skipped with a warning; so is a ``meta.json`` that is not a regular file."""
+    with os.scandir(root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for ent in entries:
+        if ent.is_symlink():
+            log.warning("kvcache: %s is a symbolic link; skipped (never followed)", ent.path)
+            continue
+        if not ent.is_dir(follow_symlinks=False):
+            continue
+        meta = os.path.join(ent.path, "meta.json")
+        try:  # O_NONBLOCK: a FIFO planted there must not block the walk
+            fd = os.open(meta, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            log.warning("kvcache: %s is a symbolic link; namespace skipped (never followed)",
+                        meta)
+            continue
+        with open(fd) as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                log.warning("kvcache: %s is not a regular file; namespace skipped", meta)
+                continue
+            data = json.load(f)
+        yield ent.name, data
 
 
-def _open_layout(root: str, name: str, meta: dict):
+def _open_layout(root: str, name: str, meta: dict, allow_foreign_root: bool = False):
     from .layout import Layout, Namespace
 
     ns = Namespace(**{k: v for k, v in meta.items() if k != "format_version"})
-    lay = Layout(root, ns)
+    lay = Layout(root, ns, allow_foreign_root=allow_foreign_root)
     if lay.base != os.path.join(os.path.abspath(root), name):
         raise ConfigError(f"namespace directory {name} does not match its meta.json")
     return lay
@@ -65,10 +95,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return 2
     report = []
     for name, meta in _iter_namespaces(args.root):
-        lay = _open_layout(args.root, name, meta)
+        lay = _open_layout(args.root, name, meta, args.allow_foreign_root)
         files, nbytes = lay.scan()
         report.append({"namespace": name, **meta, "files": files, "bytes": nbytes,
-                       "ledger_bytes": lay.ledger.get()})
+                       "ledger_bytes": lay.ledger.get(),
+                       "symlinks_skipped": lay.stats.symlinks_skipped})
         lay.close()
     text = json.dumps(report, indent=1)
     if args.json:
@@ -81,11 +112,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_gc(args: argparse.Namespace) -> int:
     total = 0
     for name, meta in _iter_namespaces(args.root):
-        lay = _open_layout(args.root, name, meta)  # collects dead writers' temp files
+        # collects dead writers' temp files; never follows a symbolic link
+        lay = _open_layout(args.root, name, meta, args.allow_foreign_root)
         total += lay.stats.temp_collected + lay.collect_stale_temps(args.max_age)
         files, nbytes = lay.scan()
         lay.ledger.set(nbytes)
-        print(f"{name}: {files} files, {nbytes} bytes; ledger resynced")
+        links = (f"; {lay.stats.symlinks_skipped} symbolic links skipped"
+                 if lay.stats.symlinks_skipped else "")
+        print(f"{name}: {files} files, {nbytes} bytes; ledger resynced{links}")
         lay.close()
     print(f"removed {total} temp files")
     return 0
@@ -220,12 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="namespaces, files and bytes under a cache root")
     ins.add_argument("root")
     ins.add_argument("--json", help="also write the report to this file")
+    ins.add_argument("--allow-foreign-root", action="store_true",
+                     help="inspect a root owned by another user (refused by default)")
     ins.set_defaults(func=_cmd_inspect)
 
     gc = sub.add_parser("gc", help="collect temp files of dead writers, resync the ledger")
     gc.add_argument("root")
     gc.add_argument("--max-age", type=float, default=600.0,
                     help="also remove any temp file older than this many seconds")
+    gc.add_argument("--allow-foreign-root", action="store_true",
+                    help="collect in a root owned by another user (refused by default)")
     gc.set_defaults(func=_cmd_gc)
 
     cal = sub.add_parser(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +21,55 @@ class ConfigError(ValueError):
     """A configuration key is unknown or its value is invalid."""
 
 
+def default_root_dir() -> str:
+    """The default ``root_dir``: private to the user, never a shared directory such as
+    /tmp: ``$XDG_CACHE_HOME/py-kvcache`` when XDG_CACHE_HOME is an absolute path, else
+    ``~/.cache/py-kvcache`` (created ``dir_mode``, 0700 by default, by the layout)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "py-kvcache")
+
+
+def check_mode(value: Any, key: str, owner_bits: int) -> int:
+    """Parse a permission mode given as an int (``0o750``) or an octal string (``"0750"``,
+    ``"750"``, ``"0o750"``) and return it as an int.
+
+    Only permission bits (no setuid/setgid/sticky) and the owner keeps ``owner_bits``
+    (rw for files, rwx for directories); anything else raises :class:`ConfigError`
+    naming ``key``."""
+    mode = value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        text = text[2:] if text.startswith("0o") else text
+        try:
+            mode = int(text, 8) if text else None
+        except ValueError:
+            mode = None
+    if not isinstance(mode, int) or isinstance(mode, bool):
+        raise ConfigError(f"py-kvcache config key '{key}': must be an octal permission mode "
+                          f"such as 0o700 or \"0700\" (got {value!r})")
+    if mode & ~0o777 or mode < 0:
+        raise ConfigError(f"py-kvcache config key '{key}': only permission bits (0..0o777) "
+                          f"are allowed (got {value!r})")
+    if mode & owner_bits != owner_bits:
+        raise ConfigError(f"py-kvcache config key '{key}': the owner must keep "
+                          f"{oct(owner_bits)} (got {value!r})")
+    return mode
+
+
 KEY_HELP: dict[str, str] = {
     "root_dir": "Directory that holds the cache files (shared by every vLLM instance using "
-    "the same model). Created if missing; must be writable.",
+    "the same model). Created if missing (dir_mode); must be writable and owned by this "
+    "user (see allow_foreign_root). Default: $XDG_CACHE_HOME/py-kvcache or "
+    "~/.cache/py-kvcache, private to the user.",
+    "dir_mode": "Permission mode of every directory the cache creates (octal int or string, "
+    "e.g. \"0750\"); the owner must keep rwx. Default 0700: only this user. A group mode "
+    "shares the cache with the group (docs/security.md: members can read and forge blocks).",
+    "file_mode": "Permission mode of every file the cache creates (blocks, temp files, "
+    "meta.json, .usage, locks; octal int or string, e.g. \"0640\"); the owner must keep rw. "
+    "Default 0600: only this user.",
+    "allow_foreign_root": "Use a root_dir owned by another user (refused by default: whoever "
+    "owns the root can read, replace or forge every block; docs/security.md).",
     "staging_bytes": "Bytes of the page-locked staging pool used for transfers (loads, stores, "
     "preloads). Rounded down to whole slots; must hold at least io_depth + 1 slots. Without "
     "a DRAM tier it is also the write-back buffer of stores: a store never waits for the "
@@ -44,6 +91,12 @@ KEY_HELP: dict[str, str] = {
     "direct_io": "'auto' (probe the filesystem), 'on' (require O_DIRECT) or 'off'.",
     "engine": "'auto' (io_uring, POSIX fallback with a warning), 'io_uring' or 'posix'.",
     "verify_checksum": "Check the xxh3-64 of every payload read from disk (corrupt = miss).",
+    "io_timeout_s": "Deadline of one file operation (open, read, write, fsync, close), in "
+    "seconds. A load whose file operation passes it is a miss (vLLM recomputes), a store is "
+    "dropped, and a request older than twice the deadline fails what it has not started; "
+    "a hung filesystem (network mount, FUSE, a FIFO) therefore never hangs vLLM. The stuck "
+    "operation keeps its slot until the kernel ends it. 0 disables (not recommended). "
+    "Default 30.",
 }
 
 
@@ -51,7 +104,10 @@ KEY_HELP: dict[str, str] = {
 class StorageConfig:
     """Validated settings of the storage engine (see :data:`KEY_HELP`)."""
 
-    root_dir: str = "/tmp/kvcache"
+    root_dir: str = field(default_factory=default_root_dir)
+    dir_mode: int = 0o700
+    file_mode: int = 0o600
+    allow_foreign_root: bool = False
     staging_bytes: int = 512 * MiB
     io_depth: int = 8
     lookahead: int = 8
@@ -64,13 +120,15 @@ class StorageConfig:
     direct_io: str = "auto"
     engine: str = "auto"
     verify_checksum: bool = True
+    io_timeout_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first invalid key."""
+        """Raise :class:`ConfigError` naming the first invalid key. Normalises
+        ``dir_mode`` / ``file_mode`` given as octal strings to ints."""
 
         def need(ok: bool, key: str, msg: str) -> None:
             if not ok:
@@ -83,6 +141,9 @@ class StorageConfig:
             need(isinstance(v, int) and not isinstance(v, bool), key, "must be an integer")
         need(isinstance(self.root_dir, str) and self.root_dir != "", "root_dir",
              "must be a non-empty path")
+        need(isinstance(self.io_timeout_s, (int, float)) and not isinstance(
+            self.io_timeout_s, bool) and 0 <= self.io_timeout_s <= 3600, "io_timeout_s",
+             "must be a number of seconds in 0..3600 (0 = no deadline)")
         need(self.io_depth >= 1, "io_depth", "must be >= 1")
         need(self.io_depth <= 256, "io_depth", "must be <= 256")
         need(self.lookahead >= 0, "lookahead", "must be >= 0")
@@ -97,6 +158,10 @@ class StorageConfig:
              "must be auto, io_uring or posix")
         need(isinstance(self.durable, bool), "durable", "must be true or false")
         need(isinstance(self.verify_checksum, bool), "verify_checksum", "must be true or false")
+        need(isinstance(self.allow_foreign_root, bool), "allow_foreign_root",
+             "must be true or false")
+        self.dir_mode = check_mode(self.dir_mode, "dir_mode", 0o700)
+        self.file_mode = check_mode(self.file_mode, "file_mode", 0o600)
 
     def check_pool(self, slot_bytes: int) -> None:
         """Check that the staging pool holds io_depth + copy_headroom slots of ``slot_bytes``."""

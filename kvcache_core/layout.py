@@ -30,6 +30,20 @@ Contracts:
   be taken belongs to a dead writer, whose temp files are removed.
 * A :class:`Layout` is used by one thread at a time for mutations (the reactor thread);
   :meth:`Layout.exists` and :meth:`Layout.path_for` may be called from any thread.
+
+Trust model (docs/security.md):
+
+* Everything the layout creates is private by default: directories ``dir_mode`` (0700),
+  files ``file_mode`` (0600), exactly, whatever the umask (an explicit ``chmod`` where the
+  umask would strip bits). Existing directories and files keep their mode.
+* Symbolic links inside the root are never followed: the namespace's files are opened
+  with ``O_NOFOLLOW`` (a link where ``meta.json``, ``.usage`` or a writer lock belongs is
+  replaced by a regular file, with a warning); every walk (eviction and ledger rescans,
+  dead-writer collection, ``kvcache gc``/``inspect``) uses ``os.scandir`` entries without
+  following links and skips a link (counted once in ``symlinks_skipped``, one warning),
+  so nothing outside the root is ever entered, unlinked or touched.
+* A root owned by another user is refused (:class:`LayoutError` naming ``root_dir``)
+  unless ``allow_foreign_root``.
 """
 
 from __future__ import annotations
@@ -43,12 +57,16 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 import time
 from dataclasses import asdict, dataclass
 
 import xxhash
+
+from .config import check_mode
+from .io.base import DEFAULT_FILE_MODE
 
 FORMAT_VERSION = 1
 MAGIC = b"PYKVCB\x00\x01"
@@ -63,6 +81,10 @@ HEADER_HASH = struct.Struct("<Q")
 #: byte offset of the payload checksum (the last field of HEADER_FMT)
 _DIGEST_OFF = HEADER_FMT.size - 8
 TMP_PREFIX = ".tmp."
+#: mode of every directory the layout creates unless ``dir_mode`` says otherwise
+DEFAULT_DIR_MODE = 0o700
+#: flags of every open of a namespace file: never through a symbolic link
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def round_up(n: int, a: int = ALIGN) -> int:
@@ -70,7 +92,8 @@ def round_up(n: int, a: int = ALIGN) -> int:
 
 
 class LayoutError(OSError):
-    """The root directory cannot be used (missing parent, unwritable, not a directory)."""
+    """The root directory cannot be used (missing parent, unwritable, not a directory,
+    owned by another user, a symbolic link where a namespace directory belongs)."""
 
 
 class CorruptBlock(Exception):
@@ -106,6 +129,109 @@ class Namespace:
         return HEADER_BYTES + round_up(self.block_bytes)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it (``/proc/self/status``; elsewhere a
+    set-and-restore, which is not thread-safe)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+def _fix_dir_mode(path: str, mode: int, umask: int) -> None:
+    """Give a just-created directory exactly ``mode`` where the umask stripped bits
+    (through an ``O_NOFOLLOW`` fd: never the target of a link swapped in meanwhile)."""
+    if not mode & umask:
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: str, mode: int = DEFAULT_DIR_MODE, umask: int | None = None) -> None:
+    """``os.makedirs(path, exist_ok=True)`` where every directory this call creates,
+    intermediate ones included, gets exactly ``mode`` whatever the umask. Existing
+    directories (and symbolic links to directories among the parents: the caller's path)
+    are left as they are. Raises OSError (ENOTDIR, EACCES...) like ``os.makedirs``."""
+    if umask is None:
+        umask = current_umask()
+    missing: list[str] = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            continue  # another process made it: its creator sets its mode
+        _fix_dir_mode(d, mode, umask)
+
+
+def _private_dir(path: str, mode: int, umask: int) -> None:
+    """Create directory ``path`` (its parent exists) with exactly ``mode``, or accept an
+    existing real directory. A symbolic link (or anything else) there raises OSError
+    (ELOOP / ENOTDIR): it is never followed."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise OSError(errno.ELOOP, f"{path} is a symbolic link (never followed)",
+                          path) from None
+        raise OSError(errno.ENOTDIR, f"{path} is not a directory", path) from None
+    _fix_dir_mode(path, mode, umask)
+
+
+def _open_private(path: str, flags: int, mode: int, umask: int) -> tuple[int, bool]:
+    """Open (``O_CREAT`` in ``flags``: or create) a namespace file without following a
+    symbolic link. A file this call creates gets exactly ``mode``; an existing file keeps
+    its mode. A link found at ``path`` is removed (the link itself, never its target,
+    with a warning) and a regular file created in its place.
+
+    Returns (fd, whether a link was replaced)."""
+    flags |= _NOFOLLOW
+    replaced = False
+    for _ in range(8):
+        try:
+            if flags & os.O_CREAT:
+                try:
+                    fd = os.open(path, flags | os.O_EXCL, mode)
+                except FileExistsError:
+                    fd = os.open(path, flags & ~os.O_CREAT)
+                else:
+                    if mode & umask:
+                        os.fchmod(fd, mode)
+                return fd, replaced
+            return os.open(path, flags), replaced
+        except FileNotFoundError:
+            if not flags & os.O_CREAT:
+                raise
+            continue  # removed between the two opens: create it
+        except OSError as e:
+            if e.errno != errno.ELOOP or not flags & os.O_CREAT:
+                raise
+            log.warning("py-kvcache: %s is a symbolic link; replacing the link (its target "
+                        "is never followed) with a regular file", path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            replaced = True
+    raise OSError(errno.ELOOP, f"cannot create {path} (replaced repeatedly)", path)
+
+
 def _host_tag() -> str:
     h = socket.gethostname() or "host"
     return "".join(c if c.isalnum() or c == "-" else "_" for c in h)[:40]
@@ -114,8 +240,13 @@ def _host_tag() -> str:
 class Ledger:
     """Bytes published in a namespace, shared by processes through a locked 8-byte file."""
 
-    def __init__(self, path: str) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, path: str, mode: int = DEFAULT_FILE_MODE, umask: int | None = None
+                 ) -> None:
+        """Open or create the ledger at ``path`` (never through a symbolic link; a file
+        created here gets exactly ``mode``). ``replaced``: a link found there was replaced
+        by a new, zeroed ledger (the owner should resync it from disk)."""
+        self._fd, self.replaced = _open_private(path, os.O_RDWR | os.O_CREAT, mode,
+                                                current_umask() if umask is None else umask)
         self._lock = threading.RLock()
         self._depth = 0
 
@@ -166,6 +297,7 @@ class LayoutStats:
     temp_collected: int = 0
     dropped_over_capacity: int = 0
     unlink_errors: int = 0  # files that could not be removed (EACCES, EIO...): skipped
+    symlinks_skipped: int = 0  # distinct symbolic links found in the namespace, never followed
 
 
 class LayoutIndex:
@@ -222,59 +354,139 @@ class Layout(LayoutIndex):
     """File naming, header, atomic publish, lookup and the capacity bound of one namespace."""
 
     def __init__(self, root: str, ns: Namespace, *, max_disk_bytes: int = 0,
-                 durable: bool = False, collect: bool = True) -> None:
+                 durable: bool = False, collect: bool = True,
+                 dir_mode: int = DEFAULT_DIR_MODE, file_mode: int = DEFAULT_FILE_MODE,
+                 allow_foreign_root: bool = False) -> None:
+        """Open (creating what is missing) namespace ``ns`` under ``root``.
+
+        Directories created here and later (root and missing parents, namespace, shard
+        directories) get exactly ``dir_mode``, files (temp and published blocks,
+        ``meta.json``, ``.usage``, writer locks) exactly ``file_mode``, whatever the
+        umask; both must keep the owner's rw(x) bits (ConfigError naming the key).
+        Raises :class:`LayoutError` naming ``root_dir`` when the root is not a usable
+        directory, is owned by another user (unless ``allow_foreign_root``) or holds a
+        symbolic link where the namespace directory or its ``.writers`` belongs.
+        """
         if ns.block_bytes <= 0:
             raise ValueError("Namespace.block_bytes must be > 0")
+        self.dir_mode = check_mode(dir_mode, "dir_mode", 0o700)
+        self.file_mode = check_mode(file_mode, "file_mode", 0o600)
         super().__init__(root, ns)
         self.max_disk_bytes = max_disk_bytes
         self.durable = durable
         self.stats = LayoutStats()
+        self._warned_links: set[str] = set()
+        umask = self._umask = current_umask()
+        # Temp files are created DEFAULT_FILE_MODE (the I/O engines' mode, see
+        # io.base.DEFAULT_FILE_MODE); publish() chmods them when that is not file_mode.
+        self._chmod_tmp = (DEFAULT_FILE_MODE & ~umask) != self.file_mode
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise LayoutError(errno.ENOTDIR, f"py-kvcache root_dir '{root}' is not a directory")
         try:
-            os.makedirs(self.root, exist_ok=True)
+            make_dirs(self.root, self.dir_mode, umask)
         except OSError as e:
             raise LayoutError(e.errno, f"py-kvcache root_dir '{root}' cannot be created: "
                               f"{e.strerror}") from e
         if not os.path.isdir(self.root):
             raise LayoutError(errno.ENOTDIR, f"py-kvcache root_dir '{root}' is not a directory")
+        owner = os.stat(self.root).st_uid
+        if owner != os.geteuid() and not allow_foreign_root:
+            raise LayoutError(errno.EPERM, f"py-kvcache root_dir '{root}' is owned by uid "
+                              f"{owner}, not by this process's uid {os.geteuid()}: refusing a "
+                              "cache root another user controls (set allow_foreign_root: "
+                              "true to share it on purpose; see docs/security.md)")
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise LayoutError(errno.EACCES, f"py-kvcache root_dir '{root}' is not writable")
         self._ns_digest = ns.digest()
         self._file_bytes = ns.file_bytes
         try:
-            os.makedirs(os.path.join(self.base, ".writers"), exist_ok=True)
-            meta = os.path.join(self.base, "meta.json")
-            if not os.path.exists(meta):
-                tmp = f"{meta}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump({"format_version": FORMAT_VERSION, **asdict(ns)}, f, indent=1)
-                os.replace(tmp, meta)
+            _private_dir(self.base, self.dir_mode, umask)
+            _private_dir(os.path.join(self.base, ".writers"), self.dir_mode, umask)
+            self._write_meta()
         except OSError as e:
             raise LayoutError(e.errno, f"py-kvcache root_dir '{root}': cannot initialise "
                               f"namespace directory: {e.strerror}") from e
-        self.ledger = Ledger(os.path.join(self.base, ".usage"))
+        self.ledger = Ledger(os.path.join(self.base, ".usage"), self.file_mode, umask)
         # One writer entry per Layout instance (several may live in one process, e.g. vLLM's
         # scheduler and worker with multiprocessing off).
         self._tag = f"{_host_tag()}.{os.getpid()}.{next(_instances)}"
         self._writer_lock_path = os.path.join(self.base, ".writers", self._tag)
-        self._writer_fd = os.open(self._writer_lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._writer_fd, _ = _open_private(self._writer_lock_path, os.O_RDWR | os.O_CREAT,
+                                           self.file_mode, umask)
         fcntl.flock(self._writer_fd, fcntl.LOCK_EX)
         self._tmp_counter = itertools.count()
         self._lru: list[tuple[float, str]] = []  # heap of (mtime, path) eviction candidates
         self._made_dirs: set[str] = set()
+        if self.ledger.replaced:  # its count is lost: resync from the files on disk
+            with self.ledger.locked():
+                self.ledger.set(self.scan()[1])
         if collect:
             self.collect_dead_writers()
 
+    def _write_meta(self) -> None:
+        """Write ``meta.json`` unless a regular one exists: through a private temp file
+        (``O_EXCL|O_NOFOLLOW``) renamed over it, so a symbolic link found there is replaced,
+        never written through."""
+        meta = os.path.join(self.base, "meta.json")
+        try:
+            st = os.lstat(meta)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if stat.S_ISREG(st.st_mode):
+                return
+            if stat.S_ISLNK(st.st_mode):
+                self._skip_link(meta)  # warn (and count); then replace the link itself
+        tmp = f"{meta}.{_host_tag()}.{os.getpid()}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a crashed namesake's leftover (a link: the link itself)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, self.file_mode)
+        try:
+            if self.file_mode & self._umask:
+                os.fchmod(fd, self.file_mode)
+            with open(fd, "w", closefd=False) as f:
+                json.dump({"format_version": FORMAT_VERSION, **asdict(self.ns)}, f, indent=1)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, meta)
+
+    def _skip_link(self, path: str) -> None:
+        """Note a symbolic link found where a cache directory or file belongs: counted and
+        warned about once per path; the caller never follows it."""
+        if path in self._warned_links:
+            return
+        self._warned_links.add(path)
+        self.stats.symlinks_skipped += 1
+        log.warning("py-kvcache: %s is a symbolic link where a cache file or directory "
+                    "belongs; skipped (symbolic links in the cache root are never followed)",
+                    path)
+
     # ------------------------------------------------------------------ naming
     def temp_path_for(self, key: bytes) -> tuple[str, str]:
-        """(temp path, final path) for a new file of ``key``; creates the directory."""
+        """(temp path, final path) for a new file of ``key``; creates the directory.
+
+        The shard directories are created ``dir_mode``; a symbolic link found where one
+        belongs raises OSError(ELOOP) (the store fails; nothing is written through it).
+        Checked once per directory per instance (then cached: no syscall)."""
         final = self.path_for(key)
         d = final[: final.rfind("/")]
         if d not in self._made_dirs:
-            os.makedirs(d, exist_ok=True)
+            self._make_shard_dir(d)
             self._made_dirs.add(d)
         return f"{d}/{TMP_PREFIX}{self._tag}.{next(self._tmp_counter)}", final
+
+    def _make_shard_dir(self, d: str) -> None:
+        for p in (d[: d.rfind("/")], d):
+            try:
+                _private_dir(p, self.dir_mode, self._umask)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    self._skip_link(p)
+                raise
 
     # ------------------------------------------------------------------ header
     def fill_header(self, slot: memoryview, key: bytes, payload_len: int,
@@ -382,6 +594,8 @@ class Layout(LayoutIndex):
         Returns True if this call published the file, False if ``final`` already existed
         (identical content by construction; counted in ``publish_existing``).
         """
+        if self._chmod_tmp:  # the temp was created DEFAULT_FILE_MODE (engine default)
+            os.chmod(tmp, self.file_mode)
         with self.ledger.locked():  # link + add atomic w.r.t. rescans of other processes
             try:
                 os.link(tmp, final)
@@ -413,8 +627,8 @@ class Layout(LayoutIndex):
             # tick, ~4 ms), which can be EARLIER than the time.time() this process recorded
             # when it published the file, so a touch right after a publish was lost
             now = time.time()
-            try:
-                os.utime(self.path_for(key), (now, now))
+            try:  # a symbolic link's own times, never its target's
+                os.utime(self.path_for(key), (now, now), follow_symlinks=False)
             except OSError:
                 pass
 
@@ -423,7 +637,11 @@ class Layout(LayoutIndex):
         path = self.path_for(key)
         with self.ledger.locked():
             try:
-                size = os.stat(path).st_size
+                st = os.lstat(path)
+                if stat.S_ISLNK(st.st_mode):  # never counted in the ledger: leave it
+                    self._skip_link(path)
+                    return
+                size = st.st_size
                 os.unlink(path)
             except FileNotFoundError:
                 return
@@ -435,18 +653,43 @@ class Layout(LayoutIndex):
 
     # ------------------------------------------------------------------ eviction
     def _iter_files(self):
-        """Yield os.DirEntry of every file (published and temp) in the namespace."""
+        """Yield os.DirEntry of every regular file (published and temp) in the namespace's
+        shard directories. Never follows a symbolic link: a linked shard directory is not
+        entered and a linked file not yielded (:meth:`_skip_link`)."""
         try:
-            tops = list(os.scandir(self.base))
+            with os.scandir(self.base) as it:
+                tops = list(it)
         except FileNotFoundError:
             return
         for top in tops:
-            if not top.is_dir() or top.name.startswith("."):
+            if top.name.startswith("."):
                 continue
-            for sub in os.scandir(top.path):
-                if not sub.is_dir():
+            if top.is_symlink():
+                self._skip_link(top.path)
+                continue
+            if not top.is_dir(follow_symlinks=False):
+                continue
+            try:
+                with os.scandir(top.path) as it:
+                    subs = list(it)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for sub in subs:
+                if sub.is_symlink():
+                    self._skip_link(sub.path)
                     continue
-                yield from os.scandir(sub.path)
+                if not sub.is_dir(follow_symlinks=False):
+                    continue
+                try:
+                    with os.scandir(sub.path) as it:
+                        files = list(it)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                for e in files:
+                    if e.is_file(follow_symlinks=False):
+                        yield e
+                    elif e.is_symlink():
+                        self._skip_link(e.path)
 
     def scan(self) -> tuple[int, int]:
         """Rebuild the eviction candidates from disk; returns (files, bytes) published."""
@@ -456,7 +699,7 @@ class Layout(LayoutIndex):
             if e.name.startswith(TMP_PREFIX):
                 continue
             try:
-                st = e.stat()
+                st = e.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
             lru.append((st.st_mtime, e.path))
@@ -486,8 +729,12 @@ class Layout(LayoutIndex):
                     continue
             mtime, path = heapq.heappop(self._lru)
             try:
-                st = os.stat(path)
+                st = os.lstat(path)
             except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode):  # replaced by a link since the scan: never ours
+                if stat.S_ISLNK(st.st_mode):
+                    self._skip_link(path)
                 continue
             if st.st_mtime > mtime + 1e-6:  # touched since: requeue with its new age
                 heapq.heappush(self._lru, (st.st_mtime, path))
@@ -510,13 +757,23 @@ class Layout(LayoutIndex):
         """Remove temp files of writer processes that died; returns files removed."""
         wdir = os.path.join(self.base, ".writers")
         dead: list[str] = []
-        for name in os.listdir(wdir):
+        with os.scandir(wdir) as it:
+            entries = list(it)
+        for ent in entries:
+            name = ent.name
             if name == self._tag:
                 continue
-            p = os.path.join(wdir, name)
+            p = ent.path
+            if ent.is_symlink():
+                self._skip_link(p)
+                continue
             try:
-                fd = os.open(p, os.O_RDWR)
+                fd = os.open(p, os.O_RDWR | _NOFOLLOW)
             except FileNotFoundError:
+                continue
+            except OSError as e:  # ELOOP (swapped for a link), EACCES (another uid's lock)
+                if e.errno == errno.ELOOP:
+                    self._skip_link(p)
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -547,7 +804,7 @@ class Layout(LayoutIndex):
                         pass
                 continue
             try:
-                total += e.stat().st_size
+                total += e.stat(follow_symlinks=False).st_size
             except FileNotFoundError:
                 pass
         # A writer killed between link and ledger update leaves the ledger low: resync.
@@ -562,7 +819,7 @@ class Layout(LayoutIndex):
             if e.name.startswith(TMP_PREFIX) and not e.name.startswith(
                     f"{TMP_PREFIX}{self._tag}."):
                 try:
-                    if now - e.stat().st_mtime > max_age_s:
+                    if now - e.stat(follow_symlinks=False).st_mtime > max_age_s:
                         os.unlink(e.path)
                         removed += 1
                 except FileNotFoundError:
@@ -585,7 +842,7 @@ class Layout(LayoutIndex):
         if not self.reserve(n):
             return False
         tmp, final = self.temp_path_for(key)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, DEFAULT_FILE_MODE)
         try:
             done = os.write(fd, mv[:n])
             if done != n:  # a full filesystem shows up as a short write
@@ -601,11 +858,18 @@ class Layout(LayoutIndex):
 
     def read_block(self, key: bytes, verify: bool = True) -> bytes | None:
         """Synchronous load: payload bytes, or None on a miss or a corrupt file (removed)."""
+        path = self.path_for(key)
         try:
-            with open(self.path_for(key), "rb") as f:
-                data = f.read(self._file_bytes)
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            self._skip_link(path)
+            return None
+        with open(fd, "rb") as f:
+            data = f.read(self._file_bytes)
         mv = memoryview(data)
         try:
             n = self.check_block(mv, len(data), key, verify)

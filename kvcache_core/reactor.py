@@ -96,6 +96,10 @@ class Completion:
 TRACE_MAX = 1_000_000
 #: Longest kernel wait while only store copies are in flight (see ``_run``).
 STORE_POLL_S = 0.001
+#: How often deadlines are checked while requests are outstanding (``io_timeout_s``).
+EXPIRE_POLL_S = 0.05
+#: task states with a file operation in flight (the ones a deadline applies to)
+_IO_STATES = frozenset((OPENING, READING, W_OPENING, WRITING, SYNCING, CLOSING))
 
 
 @dataclass
@@ -107,6 +111,13 @@ class ReactorStats:
     loads_error: int = 0
     stores_ok: int = 0
     stores_existing: int = 0
+    #: file operations that passed ``io_timeout_s``: their item failed at once (a load is a
+    #: miss, vLLM recomputes; a store is dropped); the operation itself is reaped whenever
+    #: the kernel finishes it
+    ops_expired: int = 0
+    #: queued items of requests older than twice ``io_timeout_s`` (their operations never
+    #: started: the I/O units were held by stuck operations), failed the same way
+    items_expired: int = 0
     stores_dropped_enospc: int = 0
     stores_dropped_capacity: int = 0
     stores_dropped_backpressure: int = 0
@@ -140,7 +151,7 @@ class ReactorStats:
 class _Task:
     __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
                  "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags",
-                 "payload", "nread", "copied", "xslot", "depth")
+                 "payload", "nread", "copied", "xslot", "depth", "t_op", "expired")
 
     def reset(self) -> None:
         self.ref = None
@@ -157,15 +168,18 @@ class _Task:
         self.payload = 0
         self.handle = None
         self.state = Q
+        self.t_op = 0.0  # time.monotonic() when its current file operation was submitted
+        self.expired = False  # reported failed; waits for its operation's completion
 
 
 class _Request:
     __slots__ = ("req_id", "kind", "ok", "remaining", "cancelled", "prio", "hold", "acked",
-                 "dropping")
+                 "dropping", "t0")
 
     def __init__(self, req_id, kind, n, prio):
         self.req_id = req_id
         self.kind = kind
+        self.t0 = time.monotonic()
         self.ok = [False] * n
         self.remaining = n
         self.cancelled = False
@@ -216,10 +230,16 @@ class Reactor:
                  name: str = "kvcache-reactor",
                  switch_interval: float | None = SWITCH_INTERVAL_S,
                  trace: bool = False, early_store_ack: bool = False,
-                 store_policy: str = "wait", write_depth: int | None = None) -> None:
+                 store_policy: str = "wait", write_depth: int | None = None,
+                 io_timeout_s: float = 0.0) -> None:
         if store_policy not in ("wait", "drop"):
             raise ValueError(f"store_policy must be 'wait' or 'drop', got {store_policy!r}")
         self.store_drop = store_policy == "drop"
+        if not io_timeout_s >= 0:
+            raise ValueError(f"io_timeout_s must be >= 0, got {io_timeout_s!r}")
+        #: deadline of one file operation (0: none); see :meth:`_expire`
+        self.io_timeout_s = float(io_timeout_s)
+        self._next_expire = 0.0
         self.layout = layout
         self.slot_bytes = layout.ns.file_bytes
         if switch_interval is not None and sys.getswitchinterval() > switch_interval:
@@ -428,6 +448,9 @@ class Reactor:
                     timeout = (0.0 if self._copies else
                                STORE_POLL_S if self._store_copies else
                                self._defer_left if self._wq else None)
+                    if self.io_timeout_s and self._reqs and (timeout is None
+                                                             or timeout > EXPIRE_POLL_S):
+                        timeout = EXPIRE_POLL_S  # deadlines need a clock, not only CQEs
                     self.engine.wait(timeout if self._running else 0.01)
         except BaseException as e:  # a bug: make it visible, fail everything, stay failed
             log.exception("py-kvcache reactor crashed")
@@ -459,6 +482,12 @@ class Reactor:
         if self._ready:
             self._flush_batch()
             worked = True
+        if self.io_timeout_s and self._reqs:
+            now = time.monotonic()
+            if now >= self._next_expire:
+                self._next_expire = now + EXPIRE_POLL_S
+                if self._expire(now):
+                    worked = True
         self.engine.submit()
         return worked
 
@@ -634,6 +663,7 @@ class Reactor:
                 break
             t = self._new_fg.popleft()
             t.state = OPENING
+            t.t_op = time.monotonic()
             self._opening += 1
             eng.open((t.tid << OP_BITS) | OP_OPEN, self.layout.path_for(t.key), self._rflags)
             worked = True
@@ -652,6 +682,7 @@ class Reactor:
             t = self._new_spec.popleft()
             self._spec_active = t
             t.state = OPENING
+            t.t_op = time.monotonic()
             self._opening += 1
             eng.open((t.tid << OP_BITS) | OP_OPEN, self.layout.path_for(t.key), self._rflags)
             worked = True
@@ -766,6 +797,7 @@ class Reactor:
             self._store_failed(t, "mkdir", -(e.errno or _errno.EIO))
             return
         t.state = W_OPENING
+        t.t_op = time.monotonic()
         t.depth = True
         self._io_inflight += 1
         self._writes_inflight += 1
@@ -774,6 +806,7 @@ class Reactor:
     def _start_read(self, t: _Task, slot: int) -> None:
         t.slot = slot
         t.state = READING
+        t.t_op = time.monotonic()
         self._io_inflight += 1
         self.engine.read((t.tid << OP_BITS) | OP_READ, t.fd, self._iov[slot], 0)
 
@@ -782,6 +815,9 @@ class Reactor:
         op = tag & ((1 << OP_BITS) - 1)
         t = self._tasks.get(tag >> OP_BITS)
         if op == OP_CLOSE or t is None:
+            return
+        if t.expired:  # already reported failed: only give its resources back
+            self._reap(t, op, res)
             return
         if op == OP_OPEN:
             self._opening -= 1
@@ -837,6 +873,7 @@ class Reactor:
                 return
             t.fd = res
             t.state = WRITING
+            t.t_op = time.monotonic()
             self.engine.write((t.tid << OP_BITS) | OP_WRITE, res, self._write_iov(t), 0)
         elif op == OP_WRITE:
             if res != t.wlen:  # a short write is how a full filesystem answers (tmpfs)
@@ -846,6 +883,7 @@ class Reactor:
             self._writes_inflight -= 1
             t.depth = False
             self.stats.bytes_written += res
+            t.t_op = time.monotonic()
             if self.layout.durable:
                 t.state = SYNCING
                 self.engine.fsync((t.tid << OP_BITS) | OP_FSYNC, t.fd)
@@ -857,6 +895,7 @@ class Reactor:
                 self._store_failed(t, "fsync", res)
                 return
             t.state = CLOSING
+            t.t_op = time.monotonic()
             self.engine.close((t.tid << OP_BITS) | OP_WCLOSE, t.fd)
         elif op == OP_WCLOSE:
             t.fd = -1
@@ -955,7 +994,8 @@ class Reactor:
         self._store_copies = keep
         return progressed
 
-    def _store_failed(self, t: _Task, what: str, res: int) -> None:
+    def _store_cleanup(self, t: _Task) -> None:
+        """Give back what a store's file write holds: I/O unit, fd, temp file, slot."""
         if t.depth:
             t.depth = False
             self._io_inflight -= 1
@@ -965,12 +1005,16 @@ class Reactor:
             t.fd = -1
         if t.tmp:
             self.layout.discard(t.tmp)
+            t.tmp = None
+        self._drop_slot(t)
+
+    def _store_failed(self, t: _Task, what: str, res: int) -> None:
+        self._store_cleanup(t)
         if res in (-_errno.ENOSPC, -_errno.EDQUOT):
             self.stats.stores_dropped_enospc += 1
         else:
             self._count_error(what, res)
             self.stats.stores_error += 1
-        self._drop_slot(t)
         self._finish(t, False)
 
     # ---------------------------------------------------------------- device copies
@@ -1065,9 +1109,15 @@ class Reactor:
         self._publish(Completion(req.req_id, "store_copied", list(req.ok), req.cancelled))
 
     def _finish(self, t: _Task, ok: bool) -> None:
+        ext_slot = t.xslot if t.xslot >= 0 and self._ext_owner.get(t.xslot) == t.tid else -1
+        self._report(t, ok)
+        self._free(t, ext_slot)
+
+    def _report(self, t: _Task, ok: bool) -> None:
+        """Count ``t``'s item as done (``ok``) in its request; complete the request when it
+        was the last. The task itself is not freed (see :meth:`_free`)."""
         if t.kind == STORE:
             self._source_done(t, finishing=True)
-        ext_slot = t.xslot if t.xslot >= 0 and self._ext_owner.get(t.xslot) == t.tid else -1
         if t is self._spec_active:
             self._spec_active = None
         if t.prio == Priority.SPECULATIVE and self._spec_by_key.get(t.key) is t:
@@ -1078,15 +1128,80 @@ class Reactor:
         req = t.req
         req.ok[t.idx] = ok
         req.remaining -= 1
+        if req.remaining == 0:
+            self._reqs.pop(req.req_id, None)
+            self._complete(req)
+
+    def _free(self, t: _Task, ext_slot: int) -> None:
+        """Recycle a finished task and hand its caller-owned slot (``ext_slot`` >= 0) to
+        the next task waiting for it."""
         t.state = DONE
         del self._tasks[t.tid]
         t.reset()
         self._free_tasks.append(t)
-        if req.remaining == 0:
-            self._reqs.pop(req.req_id, None)
-            self._complete(req)
         if ext_slot >= 0:
             self._release_ext(ext_slot)
+
+    # ---------------------------------------------------------------- deadlines
+    def _expire(self, now: float) -> bool:
+        """Deadlines (``io_timeout_s``): a file operation in flight for longer fails its
+        item now (:meth:`_expire_task`); a request older than twice that fails its items
+        that never started (queued behind stuck operations), as a cancel does. Nothing
+        here waits: a stuck operation keeps its slot and I/O unit until the kernel
+        completes it (:meth:`_reap`), so the bounds of the pool still hold. Returns
+        whether anything expired."""
+        limit = self.io_timeout_s
+        hit = False
+        for t in [t for t in self._tasks.values()
+                  if not t.expired and t.state in _IO_STATES and now - t.t_op > limit]:
+            self._expire_task(t)
+            hit = True
+        for req in [r for r in self._reqs.values() if now - r.t0 > 2 * limit]:
+            n0 = req.remaining
+            self._cancel(req.req_id)
+            if req.remaining < n0:
+                self.stats.items_expired += n0 - req.remaining
+                hit = True
+            if req.remaining:  # the rest is in flight: those expire with their operations
+                for t in [t for t in self._tasks.values()
+                          if t.req is req and not t.expired and t.state in _IO_STATES]:
+                    self._expire_task(t)
+        return hit
+
+    def _expire_task(self, t: _Task) -> None:
+        """``t``'s file operation passed its deadline: fail its item now (a load is a miss,
+        a store is dropped) and keep the task, its fd, slot and I/O unit until the
+        operation completes (the kernel may still be reading into or writing from the
+        slot)."""
+        self.stats.ops_expired += 1
+        if self.stats.ops_expired == 1 or self.stats.ops_expired % 100 == 0:
+            log.error("py-kvcache: a file operation on %s took longer than io_timeout_s=%.1f "
+                      "s; its block is treated as a miss (loads are recomputed, stores "
+                      "dropped); %d so far. Is the cache filesystem hung?",
+                      self.layout.path_for(t.key), self.io_timeout_s, self.stats.ops_expired)
+        t.expired = True
+        self._report(t, False)
+
+    def _reap(self, t: _Task, op: int, res: int) -> None:
+        """The operation of an expired task completed: release what it held, publish
+        nothing, copy nothing."""
+        if op == OP_OPEN:
+            self._opening -= 1
+            if res >= 0:
+                self.engine.close((t.tid << OP_BITS) | OP_CLOSE, res)
+        elif op == OP_READ:
+            self._io_inflight -= 1
+            self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
+            t.fd = -1
+            self._drop_slot(t)
+        else:  # a store's open / write / fsync / close
+            if op == OP_WOPEN and res >= 0:
+                t.fd = res
+            elif op == OP_WCLOSE:
+                t.fd = -1
+            self._store_cleanup(t)
+        ext_slot = t.xslot if t.xslot >= 0 and self._ext_owner.get(t.xslot) == t.tid else -1
+        self._free(t, ext_slot)
 
     def _release_ext(self, slot: int) -> None:
         """The owner of caller-owned ``slot`` finished: start the next task waiting for it."""

@@ -10,12 +10,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 from helpers.kvutil import (
     BLOCK,
     REPO,
     Collector,
+    GatedWriteEngine,
     close_reactor,
     finish,
     gated_copier_factory,
@@ -796,3 +798,87 @@ def test_unlink_refused_is_counted_and_the_reactor_keeps_serving(make_layout, ma
     r.load("L2", [(b"eacces-2", d, BLOCK)])
     assert finish(r)["L2"].ok == [True]
     check_dests([b"eacces-2"], [d])
+
+
+# --------------------------------------------------------------------------- deadlines
+
+
+@pytest.mark.parametrize("engine", ["posix"])
+def test_blocked_opens_expire_and_every_request_completes(make_layout, make_reactor):
+    """Issue 12 item 1: ten loads whose files never open (FIFOs without a writer: a hung
+    filesystem) all complete, as misses, within twice the deadline, although more opens
+    are stuck than the lookahead allows; once the opens come back the stuck operations
+    are reaped (no fd, slot or I/O unit leaks) and the reactor serves normally."""
+    lay = make_layout()
+    good = b"present"
+    assert lay.write_block(good, payload(good, BLOCK))
+    col = Collector()
+    r = make_reactor(lay, n_slots=6, io_depth=4, lookahead=4, on_complete=col,
+                     io_timeout_s=0.4)
+    keys = _fifo_keys(lay, "hang", 10)
+    try:
+        t0 = time.monotonic()
+        for i, k in enumerate(keys):
+            r.load(i, [(k, sentinel_buf(BLOCK), BLOCK)])
+        done = [col.get(i, 10) for i in range(len(keys))]
+        took = time.monotonic() - t0
+        assert all(c is not None and c.ok == [False] for c in done), done
+        assert took < 2 * 0.4 + 1.0, took
+        assert r.stats.ops_expired == 4  # the opens in flight (lookahead 4)
+        assert r.stats.items_expired == 6  # queued behind them, never started
+        d = sentinel_buf(BLOCK)  # stuck opens still hold the lookahead: this one expires
+        r.load("stuck", [(good, d, BLOCK)])
+        assert col.get("stuck", 10).ok == [False]
+        _release_fifos(lay, keys)  # the kernel finishes the stuck opens: reaped
+        assert wait_until(lambda: r._opening == 0 and not r._tasks, 10)
+        d = sentinel_buf(BLOCK)
+        r.load("after", [(good, d, BLOCK)])
+        c = col.get("after", 10)
+        assert c is not None and c.ok == [True] and bytes(d) == payload(good, BLOCK)
+        assert r.alloc.busy == 0 and r._io_inflight == 0 and not col.duplicates
+    finally:
+        _release_fifos(lay, keys)
+        for k in keys:
+            if os.path.exists(lay.path_for(k)):
+                os.unlink(lay.path_for(k))
+
+
+def test_stalled_write_expires_the_store_and_publishes_nothing(make_layout):
+    """A file write that never completes (disk stalled) drops its block at the deadline:
+    the store completes (item failed) while the write is still in flight; when the write
+    finally completes, its temp file is removed and nothing is published."""
+    lay = make_layout()
+    gate = threading.Event()
+    eng = GatedWriteEngine(2, gate)
+    col = Collector()
+    r = Reactor(lay, n_slots=4, io_depth=2, copier=MemcpyCopier, pin=False, engine=eng,
+                on_complete=col, io_timeout_s=0.3)
+    try:
+        k = b"stalled-write"
+        r.store("S", [(k, payload(k, BLOCK), BLOCK)])
+        c = col.get("S", 10)
+        assert c is not None and c.ok == [False]
+        assert r.stats.ops_expired == 1 and eng.writes_seen == 1
+        assert not lay.exists(k)
+        gate.set()
+        eng.wake()
+        assert wait_until(lambda: not r._tasks and r._io_inflight == 0, 10)
+        assert not lay.exists(k)
+        _, temps = list_files(lay.base)
+        assert temps == []
+        k2 = b"after-the-stall"  # the reactor writes normally again
+        r.store("S2", [(k2, payload(k2, BLOCK), BLOCK)])
+        assert col.get("S2", 10).ok == [True] and lay.exists(k2)
+    finally:
+        gate.set()
+        r.close()
+
+
+def test_no_deadline_by_default_in_the_reactor_and_config_validates_it():
+    from kvcache_core.config import ConfigError, StorageConfig
+
+    assert StorageConfig().io_timeout_s == 30.0
+    for bad in (-1, "5", True, 1e9):
+        with pytest.raises(ConfigError, match="'io_timeout_s'"):
+            StorageConfig(io_timeout_s=bad)
+    assert StorageConfig(io_timeout_s=0).io_timeout_s == 0

@@ -117,14 +117,22 @@ def make_engine(kind: str = "auto", depth: int = 8, entries: int = 64,
 
 
 def probe_direct(directory: str, mode: str = "auto") -> bool:
-    """Whether files in ``directory`` can be opened with O_DIRECT (``mode``: auto/on/off)."""
+    """Whether files in ``directory`` can be opened with O_DIRECT (``mode``: auto/on/off).
+
+    The probe file is created 0600 with ``O_EXCL|O_NOFOLLOW`` (never through a symbolic
+    link) and removed at once."""
     if mode == "off" or not hasattr(os, "O_DIRECT"):
         if mode == "on":
             raise RuntimeError("py-kvcache: direct_io 'on' but O_DIRECT is not supported here")
         return False
     path = os.path.join(directory, f".odirect-probe.{os.getpid()}.{threading.get_ident()}")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:  # a crashed namesake's leftover (or a link: the link itself, never its target)
+        os.unlink(path)
+    except OSError:
+        pass
+    try:  # private, never through a symbolic link
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                     | os.O_DIRECT, 0o600)
     except OSError as e:
         if mode == "on":
             raise RuntimeError(f"py-kvcache: direct_io 'on' but {directory} refuses O_DIRECT: "

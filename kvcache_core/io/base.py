@@ -13,6 +13,14 @@ import os
 import select
 from abc import ABC, abstractmethod
 
+#: Mode of a file an engine creates (:meth:`IOEngine.open` with ``O_CREAT``) unless the
+#: caller passes one: private to the owner (the layout chmods a temp file to its
+#: ``file_mode`` before publishing it when that differs; docs/security.md).
+DEFAULT_FILE_MODE = 0o600
+#: Flags every engine adds to every open: close-on-exec, and never through a symbolic
+#: link in the last path component (a link in the cache root is never followed).
+OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
+
 
 class IOEngine(ABC):
     name = "base"
@@ -29,7 +37,9 @@ class IOEngine(ABC):
 
     # -- operations (reactor thread only) ---------------------------------------------
     @abstractmethod
-    def open(self, tag: int, path: str, flags: int, mode: int = 0o644) -> None: ...
+    def open(self, tag: int, path: str, flags: int, mode: int = DEFAULT_FILE_MODE) -> None:
+        """Queue ``openat(path, flags | OPEN_FLAGS, mode)``: the result is the new fd, or
+        ``-ELOOP`` when ``path`` is a symbolic link (never followed)."""
 
     @abstractmethod
     def read(self, tag: int, fd: int, iov: object, offset: int = 0) -> None: ...

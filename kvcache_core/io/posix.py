@@ -13,7 +13,7 @@ import queue
 import select
 import threading
 
-from .base import IOEngine
+from .base import DEFAULT_FILE_MODE, OPEN_FLAGS, IOEngine
 
 _OPEN, _READ, _WRITE, _FSYNC, _CLOSE, _STOP = range(6)
 
@@ -45,7 +45,7 @@ class PosixEngine(IOEngine):
                 elif op == _WRITE:
                     res = os.pwritev(a, [b], c)
                 elif op == _OPEN:
-                    res = os.open(a, b | os.O_CLOEXEC, c)
+                    res = os.open(a, b | OPEN_FLAGS, c)
                 elif op == _FSYNC:
                     os.fdatasync(a)
                     res = 0
@@ -57,7 +57,7 @@ class PosixEngine(IOEngine):
             done.append((tag, res))
             os.eventfd_write(dfd, 1)
 
-    def open(self, tag: int, path: str, flags: int, mode: int = 0o644) -> None:
+    def open(self, tag: int, path: str, flags: int, mode: int = DEFAULT_FILE_MODE) -> None:
         self._pending.append((_OPEN, tag, path, flags, mode))
 
     def read(self, tag: int, fd: int, iov: object, offset: int = 0) -> None:

@@ -14,7 +14,7 @@ import select
 
 import liburing as L
 
-from .base import IOEngine
+from .base import DEFAULT_FILE_MODE, OPEN_FLAGS, IOEngine
 
 
 class UringEngine(IOEngine):
@@ -51,9 +51,9 @@ class UringEngine(IOEngine):
         self._queued += 1
         return sqe
 
-    def open(self, tag: int, path: str, flags: int, mode: int = 0o644) -> None:
+    def open(self, tag: int, path: str, flags: int, mode: int = DEFAULT_FILE_MODE) -> None:
         sqe = self._sqe()
-        L.io_uring_prep_open(sqe, path, flags | os.O_CLOEXEC, mode)
+        L.io_uring_prep_open(sqe, path, flags | OPEN_FLAGS, mode)
         L.io_uring_sqe_set_data64(sqe, tag)
         self._keep[tag] = path
 

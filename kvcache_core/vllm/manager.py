@@ -111,6 +111,12 @@ WORKER_COUNTERS: dict[str, str] = {
     "dram_invalid": "Worker: DRAM-tier slots refused by the header check.",
     "stores_written": "Worker: files published.",
     "stores_existing": "Worker: stores skipped because the file already existed.",
+    "ops_expired": "Worker: file operations that passed io_timeout_s (a load is then a "
+    "miss and recomputed, a store dropped): a hung or very slow cache filesystem.",
+    "items_expired": "Worker: blocks of requests older than twice io_timeout_s that had "
+    "not started (queued behind stuck operations); failed the same way.",
+    "symlinks_skipped": "Worker: symlinks found where cache files or directories belong; "
+    "never followed (docs/security.md).",
     "stores_dropped_enospc": "Worker: stores dropped because the disk was full.",
     "stores_dropped_capacity": "Worker: stores dropped by the max_disk_bytes bound.",
     "stores_dropped_backpressure": "Worker: chunks not stored because no host memory was "

@@ -97,7 +97,9 @@ class PyKVCacheWorker(OffloadingWorker):
         self.n_dram = pool.n_dram
         self.is_cuda = self.kv.device.type == "cuda"
         self.layout = Layout(storage.root_dir, namespace, max_disk_bytes=max_disk_bytes,
-                             durable=storage.durable)
+                             durable=storage.durable, dir_mode=storage.dir_mode,
+                             file_mode=storage.file_mode,
+                             allow_foreign_root=storage.allow_foreign_root)
         try:
             self.reactor = Reactor(
                 self.layout, n_slots=pool.n_staging, external_slots=pool.n_dram,
@@ -108,7 +110,7 @@ class PyKVCacheWorker(OffloadingWorker):
                 verify=storage.verify_checksum, on_complete=self._on_complete,
                 name=f"kvcache-reactor-r{rank}",
                 trace=bool(os.environ.get("KVCACHE_TRACE")), early_store_ack=True,
-                store_policy="drop")
+                store_policy="drop", io_timeout_s=storage.io_timeout_s)
         except BaseException:
             self.layout.close()
             raise
@@ -334,7 +336,8 @@ class PyKVCacheWorker(OffloadingWorker):
                     stores_dropped_enospc=s.stores_dropped_enospc,
                     stores_dropped_capacity=s.stores_dropped_capacity,
                     stores_dropped_backpressure=s.stores_dropped_backpressure,
-                    ext_slot_waits=s.ext_slot_waits,
+                    ext_slot_waits=s.ext_slot_waits, ops_expired=s.ops_expired,
+                    items_expired=s.items_expired, symlinks_skipped=ls.symlinks_skipped,
                     store_errors=s.stores_error, bytes_read=s.bytes_read,
                     bytes_written=s.bytes_written, disk_evicted_files=ls.evicted_files,
                     preloads_staged=s.preload_staged, preloads_claimed=s.preload_claimed,
