@@ -35,12 +35,12 @@ lint: dev
 	$(BIN)/ruff check kvcache_core tests scripts
 
 bench-storage: dev
-	$(BIN)/kvcache bench storage --root $(BENCH_ROOT) --json docs/results/cpu/storage.json
-	$(BIN)/kvcache bench storage --root /dev/shm/kvcache-bench --no-metadata \
+	$(BIN)/kvcache bench storage --create --root $(BENCH_ROOT) --json docs/results/cpu/storage.json
+	$(BIN)/kvcache bench storage --create --root /dev/shm/kvcache-bench --no-metadata \
 		--json docs/results/cpu/storage-tmpfs.json
 
 bench-storage-quick: dev
-	$(BIN)/kvcache bench storage --quick --root $(BENCH_ROOT) --json /tmp/storage-quick.json
+	$(BIN)/kvcache bench storage --quick --create --root $(BENCH_ROOT) --json /tmp/storage-quick.json
 
 # Apply the preload patches to a vLLM checkout or installed package (idempotent).
 VLLM_DIR ?= $(shell $(BIN)/python -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))' 2>/dev/null)

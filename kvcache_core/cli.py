@@ -36,9 +36,23 @@ def _config_epilog() -> str:
     return "\n".join(lines)
 
 
+def _paras(*paras: str) -> str:
+    """Help text paragraphs wrapped for RawDescriptionHelpFormatter."""
+    import textwrap
+
+    return "\n\n".join(textwrap.fill(p, 79) for p in paras)
+
+
 def _cmd_bench_storage(args: argparse.Namespace) -> int:
+    import signal
+
     from .bench import storage
 
+    def term(signum, _frame):  # SIGTERM/SIGHUP: unwind like Ctrl-C, so the scratch goes
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, term)
     out = storage.run(args)
     keys = ("engine", "raw_read_gbps", "reactor_read_gbps", "raw_write_gbps",
             "reactor_write_gbps", "pool_bytes", "peak_staging_bytes", "lookup_per_s",
@@ -90,22 +104,164 @@ def _open_layout(root: str, name: str, meta: dict, allow_foreign_root: bool = Fa
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    """Read-only: never opens a Layout (which would create a writer lock, ``.usage`` or
+    ``meta.json`` and collect dead writers); walks with scandir/lstat only."""
+    from . import admin
+
     if not os.path.isdir(args.root):
         print(f"kvcache inspect: {args.root} is not a directory", file=sys.stderr)
         return 2
+    root = os.path.abspath(args.root)
+    owner = os.stat(root).st_uid
+    if owner != os.geteuid() and not args.allow_foreign_root:
+        raise ConfigError(f"py-kvcache root_dir '{args.root}' is owned by uid {owner}, not by "
+                          f"this process's uid {os.geteuid()}: refusing a cache root another "
+                          "user controls (--allow-foreign-root, as allow_foreign_root: true)")
     report = []
-    for name, meta in _iter_namespaces(args.root):
-        lay = _open_layout(args.root, name, meta, args.allow_foreign_root)
-        files, nbytes = lay.scan()
+    for name, meta in _iter_namespaces(root):
+        ns, why = admin.namespace_of(name, meta)
+        if ns is None:
+            raise ConfigError(f"namespace directory {name} does not match its meta.json "
+                              f"({why})")
+        base = os.path.join(root, name)
+        files, nbytes, walk = admin.usage(base)
+        live, _unknown = admin.live_writers(base)
         report.append({"namespace": name, **meta, "files": files, "bytes": nbytes,
-                       "ledger_bytes": lay.ledger.get(),
-                       "symlinks_skipped": lay.stats.symlinks_skipped})
-        lay.close()
+                       "ledger_bytes": admin.read_ledger(base),
+                       "temp_files": len(walk.temps), "live_writers": len(live),
+                       "symlinks_skipped": len(walk.links)})
     text = json.dumps(report, indent=1)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text)
     print(text)
+    return 0
+
+
+def _inside(path: str, root: str) -> bool:
+    path = os.path.realpath(path)
+    root = os.path.realpath(root)
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from . import admin
+
+    root = admin.check_root(args.root)
+    if args.json and _inside(os.path.dirname(os.path.abspath(args.json)), root):
+        raise admin.UsageError(f"--json {args.json} is inside the root (verify never "
+                               "writes there)")
+    dirs, links = admin.namespace_entries(root)
+    if args.namespace:
+        if args.namespace in {os.path.basename(p) for p in links}:
+            raise admin.UsageError(f"{os.path.join(root, args.namespace)} is a symbolic "
+                                   "link (never followed)")
+        dirs = [d for d in dirs if d.name == args.namespace]
+        if not dirs:
+            raise admin.UsageError(f"no namespace {args.namespace} under {root}")
+        links = []
+    progress = admin.Progress("kvcache verify", args.quiet)
+    reps = [admin.verify_namespace(d, progress) for d in dirs]
+    progress.done()
+    tot = {k: sum(len(r[k]) if isinstance(r[k], list) else r[k] for r in reps)
+           for k in ("files", "bytes", "ok", "corrupt", "unreadable", "temp_files",
+                     "symlinks_skipped")}
+    tot["symlinks_skipped"] += len(links)
+    errors = sum(1 for r in reps if r["error"])
+    clean = not (tot["corrupt"] or tot["unreadable"] or errors)
+    for r in reps:
+        print(f"{r['namespace']} (model {r['model']}): {r['files']} files, {r['bytes']} "
+              f"bytes: {r['ok']} ok, {len(r['corrupt'])} corrupt, {len(r['unreadable'])} "
+              f"unreadable, {len(r['temp_files'])} temp files, "
+              f"{len(r['symlinks_skipped'])} symlinks skipped")
+        if r["error"]:
+            print(f"  not checked: {r['error']}")
+        for what in ("corrupt", "unreadable"):
+            for x in r[what]:
+                print(f"  {what}: {x['path']}: {x['reason']}")
+        for p in r["temp_files"]:
+            print(f"  temp file: {p}")
+        for p in r["symlinks_skipped"]:
+            print(f"  symlink skipped: {p}")
+    for p in links:
+        print(f"symlink skipped: {p}")
+    print(f"total: {len(reps)} namespaces, {tot['files']} files, {tot['bytes']} bytes: "
+          f"{tot['ok']} ok, {tot['corrupt']} corrupt, {tot['unreadable']} unreadable, "
+          f"{tot['temp_files']} temp files, {tot['symlinks_skipped']} symlinks skipped"
+          + (f", {errors} namespaces not checked" if errors else "")
+          + ("" if clean else ": NOT OK"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"root": root, "ok": clean, "totals": tot, "namespaces": reps,
+                       "symlinks_skipped": links}, f, indent=1)
+    return 0 if clean else 1
+
+
+def _cmd_purge(args: argparse.Namespace) -> int:
+    from . import admin
+
+    root = admin.check_root(args.root, args.allow_foreign_root)
+    dirs, links = admin.namespace_entries(root)
+    chosen: list[tuple[os.DirEntry, str]] = []  # (entry, model)
+    for name in args.namespace or []:
+        if not admin.NS_DIR_RE.fullmatch(name):
+            raise admin.UsageError(f"{name!r} is not a namespace directory name "
+                                   "(v<N>-<16 hex digits>, see kvcache inspect)")
+        if name in {os.path.basename(p) for p in links}:
+            raise admin.UsageError(f"{os.path.join(root, name)} is a symbolic link (never "
+                                   "followed; remove the link itself if it must go)")
+        if not any(d.name == name for d in dirs):
+            raise admin.UsageError(f"no namespace {name} under {root}")
+    for d in dirs:
+        meta, _why = admin.read_meta(d.path)
+        model = meta.get("model") if meta else None
+        if (args.all or (args.namespace and d.name in args.namespace)
+                or (args.model is not None and isinstance(model, str)
+                    and args.model in model)):
+            chosen.append((d, model))
+    for p in links:
+        print(f"skipped {p}: symbolic link (never followed)")
+    leftovers = []
+    with os.scandir(root) as it:
+        for e in it:
+            if e.name.startswith(admin.PURGE_PREFIX) and e.is_dir(follow_symlinks=False):
+                leftovers.append(e)
+    plan = []
+    total = 0
+    for d, model in chosen:
+        files, nbytes = admin.tree_usage(d.path)
+        live, unknown = admin.live_writers(d.path)
+        plan.append((d, model, files, nbytes, live, unknown))
+        total += nbytes
+    for e in leftovers:
+        files, nbytes = admin.tree_usage(e.path)
+        plan.append((e, "leftover of an interrupted purge", files, nbytes, [], []))
+        total += nbytes
+    if not plan:
+        print("nothing to purge")
+        return 0
+    verb = "would remove" if args.dry_run or not args.yes else "removing"
+    for d, model, files, nbytes, live, unknown in plan:
+        busy = (f"; {len(live)} live writers" if live else "") + (
+            f"; {len(unknown)} writers of unknown state" if unknown else "")
+        print(f"{verb} {d.path} (model {model}): {files} files, {nbytes} bytes{busy}")
+    busy = [(d, live + unknown) for d, _m, _f, _b, live, unknown in plan if live or unknown]
+    if args.dry_run:
+        print(f"dry run: {len(plan)} namespaces, {total} bytes would be removed; nothing "
+              "deleted" + ("" if not busy or args.force else
+                           " (namespaces with live writers need --force)"))
+        return 0
+    if not args.yes:
+        raise admin.UsageError(f"refusing to delete {len(plan)} namespaces ({total} bytes) "
+                               "without --yes (--dry-run lists them)")
+    if busy and not args.force:
+        d, who = busy[0]
+        raise admin.UsageError(f"{d.path} has {len(who)} live writers ({', '.join(who)}): "
+                               "stop them or use --force; nothing deleted")
+    for d, _model, _files, nbytes, _live, _unknown in plan:
+        admin.remove_tree(root, d.path)
+        print(f"removed {d.path}: {nbytes} bytes")
+    print(f"removed {len(plan)} namespaces, {total} bytes")
     return 0
 
 
@@ -242,17 +398,27 @@ def build_parser() -> argparse.ArgumentParser:
         "preadv/pwritev threads), the io_uring engine, the POSIX fallback and the full "
         "reactor at request sizes 4 KiB..28 MiB and several depths, all in one run; then "
         "Layout lookup and publish rates with 10k/100k/1M files in the root. Writes JSON, "
-        "a Markdown table (.md) and a plot (.png) next to --json.")
+        "a Markdown table (.md) and a plot (.png) next to --json. Prints first how many "
+        "bytes it will write and roughly how long it takes (from a short probe).")
     bs.add_argument("--root", default="./.bench-root",
-                    help="directory on the filesystem to measure (default ./.bench-root)")
+                    help="existing directory on the filesystem to measure (default "
+                    "./.bench-root); the benchmark works in a scratch directory inside it "
+                    "and removes it at the end, on an error, Ctrl-C or SIGTERM")
+    bs.add_argument("--create", action="store_true",
+                    help="create --root if it does not exist (its parent must) and remove "
+                    "it again at the end; without it a missing root is refused")
     bs.add_argument("--quick", action="store_true",
                     help="fewer depths, one repeat, metadata up to 100k files")
     bs.add_argument("--no-metadata", action="store_true", help="skip the metadata part")
     bs.add_argument("--json", help="write the results to this JSON file")
     bs.set_defaults(func=_cmd_bench_storage)
 
-    ins = sub.add_parser("inspect", help="namespaces, files and bytes under a cache root")
-    ins.add_argument("root")
+    ins = sub.add_parser(
+        "inspect", help="namespaces, files and bytes under a cache root (read-only)",
+        description="Per namespace: its meta.json, published files and bytes, the .usage "
+        "ledger, temp files, live writers and symbolic links skipped, as JSON. Read-only: "
+        "creates, changes and removes nothing in the root (no lock, ledger or meta file).")
+    ins.add_argument("root", help="the cache root (root_dir)")
     ins.add_argument("--json", help="also write the report to this file")
     ins.add_argument("--allow-foreign-root", action="store_true",
                      help="inspect a root owned by another user (refused by default)")
@@ -265,6 +431,68 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--allow-foreign-root", action="store_true",
                     help="collect in a root owned by another user (refused by default)")
     gc.set_defaults(func=_cmd_gc)
+
+    ver = sub.add_parser(
+        "verify", help="check every published block's header and checksum (read-only)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_paras(
+            "Read every published block file under ROOT (or one namespace) and check its "
+            "header (magic, format version, header checksum, geometry and namespace against "
+            "the namespace's meta.json, the key hashing to the file name and shard "
+            "directory, the file size) and its payload checksum. Reports per namespace: "
+            "files, bytes, ok, corrupt and unreadable files (with paths and reasons), temp "
+            "files left behind and symbolic links skipped (never followed).",
+            "Read-only: no ledger rescan; no meta.json, lock or other file is created, "
+            "changed or removed (blocks are read with O_NOATIME where allowed). A progress "
+            "line goes to stderr every second (and at the end for 1,000 files or more).",
+            "exit status: 0 everything checked is ok (temp files and skipped links are only "
+            "reported), 1 a corrupt or unreadable file or a namespace that cannot be checked "
+            "(bad meta.json), 2 usage error (missing root, not a cache root, unknown "
+            "namespace)."))
+    ver.add_argument("root", metavar="ROOT", help="the cache root (root_dir)")
+    ver.add_argument("--namespace", metavar="NS",
+                     help="check only this namespace directory (v<N>-<digest>, see "
+                     "kvcache inspect)")
+    ver.add_argument("--json", metavar="OUT",
+                     help="also write the full report (every path and reason) to this file "
+                     "(outside the root)")
+    ver.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ver.set_defaults(func=_cmd_verify)
+
+    pu = sub.add_parser(
+        "purge", help="delete whole namespaces (by name, by model, or all)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_paras(
+            "Delete the directory tree of every matching namespace under ROOT (matched by "
+            "directory name, by the model field of its meta.json, or all). Each is renamed "
+            "inside ROOT first (a writer starting meanwhile gets a fresh namespace) and then "
+            "removed without following any symbolic link; a namespace directory that is "
+            "itself a link is skipped; nothing outside ROOT is touched. Leftovers of an "
+            "interrupted purge (.kvcache-purge.*) are removed too.",
+            "A namespace with a live writer (a process holding its lock in .writers: the "
+            "check kvcache gc makes before collecting) is refused, and then nothing at all "
+            "is deleted, unless --force. Without --yes nothing is deleted (exit 2) unless "
+            "--dry-run, which lists what would go and how many bytes.",
+            "exit status: 0 done (or nothing matched), 2 refused or usage error."))
+    what = pu.add_mutually_exclusive_group(required=True)
+    what.add_argument("--namespace", metavar="NS", action="append",
+                      help="the namespace directory v<N>-<digest> (see kvcache inspect); "
+                      "repeat for several")
+    what.add_argument("--model", metavar="SUBSTRING",
+                      help="every namespace whose meta.json model contains SUBSTRING "
+                      "(case-sensitive)")
+    what.add_argument("--all", action="store_true", help="every namespace under ROOT")
+    pu.add_argument("root", metavar="ROOT", help="the cache root (root_dir)")
+    pu.add_argument("--dry-run", action="store_true",
+                    help="list the namespaces and bytes that would be removed; delete nothing")
+    pu.add_argument("--yes", action="store_true", help="really delete (required unless "
+                    "--dry-run)")
+    pu.add_argument("--force", action="store_true",
+                    help="also delete namespaces with live writers (their stores fail and "
+                    "their loads miss until they reopen the namespace)")
+    pu.add_argument("--allow-foreign-root", action="store_true",
+                    help="purge in a root owned by another user (refused by default)")
+    pu.set_defaults(func=_cmd_purge)
 
     cal = sub.add_parser(
         "calibrate", help="measure and fit a break-even table (breakeven_table)",
@@ -320,8 +548,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
+    from .admin import UsageError
+
     try:
         return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"kvcache {args.cmd}: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"kvcache: {e}", file=sys.stderr)
         return 2

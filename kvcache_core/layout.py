@@ -301,14 +301,15 @@ class LayoutStats:
 
 
 class LayoutIndex:
-    """Read-only view of a namespace: naming and lookup, no lock, no writes, no I/O at
-    construction. Safe to create anywhere (e.g. vLLM's scheduler process) and to call
-    from any thread."""
+    """Read-only view of a namespace: naming, lookup and header validation, no lock, no
+    writes, no I/O at construction. Safe to create anywhere (e.g. vLLM's scheduler
+    process or ``kvcache verify``) and to call from any thread."""
 
     def __init__(self, root: str, ns: Namespace) -> None:
         self.root = os.path.abspath(root)
         self.ns = ns
         self.base = os.path.join(self.root, ns.dirname())
+        self._ns_digest = ns.digest()
         self._base_fd = -1  # O_PATH fd of base: lookups walk 3 path components, not ~10
 
     def name_of(self, key: bytes) -> str:
@@ -340,6 +341,53 @@ class LayoutIndex:
         else:  # another thread won the race
             os.close(fd)
         return self._base_fd
+
+    def check_identity(self, slot: memoryview, key: bytes) -> int:
+        """Whether a DRAM-tier slot holds ``key``'s block of this namespace: magic,
+        version, geometry and key (not the header hash nor the payload checksum, which
+        :meth:`seal_header` may be rewriting meanwhile). Returns the payload length;
+        raises :class:`CorruptBlock` otherwise."""
+        fields = HEADER_FMT.unpack_from(slot, 0)
+        if fields[0] != MAGIC:
+            raise CorruptBlock("bad magic")
+        return self._check_fields(fields, key)
+
+    def _check_fields(self, fields: tuple, key: bytes) -> int:
+        """The identity checks shared by :meth:`check_identity` and :meth:`check_block`
+        on an unpacked header whose magic matched. Returns the payload length."""
+        _magic, ver, hdr_bytes, payload_len, block_bytes, nsd, klen, kbytes, _dg = fields
+        if ver != FORMAT_VERSION or hdr_bytes != HEADER_BYTES:
+            raise CorruptBlock(f"format version {ver} not supported")
+        if nsd != self._ns_digest or block_bytes != self.ns.block_bytes:
+            raise CorruptBlock("header geometry does not match this namespace")
+        if kbytes[:klen] != key:
+            raise CorruptBlock("key mismatch (hash collision or misplaced file)")
+        if payload_len > self.ns.block_bytes:
+            raise CorruptBlock("payload longer than a block")
+        return payload_len
+
+    def check_block(self, slot: memoryview, nread: int, key: bytes, verify: bool = True) -> int:
+        """Validate a file read into ``slot`` (``nread`` bytes). Returns the payload length.
+
+        Raises :class:`CorruptBlock` on a short file, bad magic/version/header hash,
+        other namespace or geometry, other key, or (``verify``) a payload checksum mismatch.
+        """
+        if nread < HEADER_BYTES:
+            raise CorruptBlock(f"truncated header ({nread} bytes)")
+        fields = HEADER_FMT.unpack_from(slot, 0)
+        if fields[0] != MAGIC:
+            raise CorruptBlock("bad magic")
+        (hh,) = HEADER_HASH.unpack_from(slot, HEADER_FMT.size)
+        if hh != xxhash.xxh3_64_intdigest(slot[: HEADER_FMT.size]):
+            raise CorruptBlock("header checksum mismatch")
+        payload_len = self._check_fields(fields, key)
+        digest = fields[8]
+        if nread < HEADER_BYTES + payload_len:
+            raise CorruptBlock(f"truncated payload ({nread - HEADER_BYTES} of {payload_len})")
+        if verify and digest != xxhash.xxh3_64_intdigest(
+                slot[HEADER_BYTES: HEADER_BYTES + payload_len]):
+            raise CorruptBlock("payload checksum mismatch")
+        return payload_len
 
     def close_index(self) -> None:
         if self._base_fd >= 0:
@@ -397,7 +445,6 @@ class Layout(LayoutIndex):
                               "true to share it on purpose; see docs/security.md)")
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise LayoutError(errno.EACCES, f"py-kvcache root_dir '{root}' is not writable")
-        self._ns_digest = ns.digest()
         self._file_bytes = ns.file_bytes
         try:
             _private_dir(self.base, self.dir_mode, umask)
@@ -522,53 +569,6 @@ class Layout(LayoutIndex):
         struct.pack_into("<Q", slot, _DIGEST_OFF, dg)
         hh = xxhash.xxh3_64_intdigest(slot[: HEADER_FMT.size])
         HEADER_HASH.pack_into(slot, HEADER_FMT.size, hh)
-
-    def check_identity(self, slot: memoryview, key: bytes) -> int:
-        """Whether a DRAM-tier slot holds ``key``'s block of this namespace: magic,
-        version, geometry and key (not the header hash nor the payload checksum, which
-        :meth:`seal_header` may be rewriting meanwhile). Returns the payload length;
-        raises :class:`CorruptBlock` otherwise."""
-        fields = HEADER_FMT.unpack_from(slot, 0)
-        if fields[0] != MAGIC:
-            raise CorruptBlock("bad magic")
-        return self._check_fields(fields, key)
-
-    def _check_fields(self, fields: tuple, key: bytes) -> int:
-        """The identity checks shared by :meth:`check_identity` and :meth:`check_block`
-        on an unpacked header whose magic matched. Returns the payload length."""
-        _magic, ver, hdr_bytes, payload_len, block_bytes, nsd, klen, kbytes, _dg = fields
-        if ver != FORMAT_VERSION or hdr_bytes != HEADER_BYTES:
-            raise CorruptBlock(f"format version {ver} not supported")
-        if nsd != self._ns_digest or block_bytes != self.ns.block_bytes:
-            raise CorruptBlock("header geometry does not match this namespace")
-        if kbytes[:klen] != key:
-            raise CorruptBlock("key mismatch (hash collision or misplaced file)")
-        if payload_len > self.ns.block_bytes:
-            raise CorruptBlock("payload longer than a block")
-        return payload_len
-
-    def check_block(self, slot: memoryview, nread: int, key: bytes, verify: bool = True) -> int:
-        """Validate a file read into ``slot`` (``nread`` bytes). Returns the payload length.
-
-        Raises :class:`CorruptBlock` on a short file, bad magic/version/header hash,
-        other namespace or geometry, other key, or (``verify``) a payload checksum mismatch.
-        """
-        if nread < HEADER_BYTES:
-            raise CorruptBlock(f"truncated header ({nread} bytes)")
-        fields = HEADER_FMT.unpack_from(slot, 0)
-        if fields[0] != MAGIC:
-            raise CorruptBlock("bad magic")
-        (hh,) = HEADER_HASH.unpack_from(slot, HEADER_FMT.size)
-        if hh != xxhash.xxh3_64_intdigest(slot[: HEADER_FMT.size]):
-            raise CorruptBlock("header checksum mismatch")
-        payload_len = self._check_fields(fields, key)
-        digest = fields[8]
-        if nread < HEADER_BYTES + payload_len:
-            raise CorruptBlock(f"truncated payload ({nread - HEADER_BYTES} of {payload_len})")
-        if verify and digest != xxhash.xxh3_64_intdigest(
-                slot[HEADER_BYTES: HEADER_BYTES + payload_len]):
-            raise CorruptBlock("payload checksum mismatch")
-        return payload_len
 
     # ------------------------------------------------------------------ publish
     def reserve(self, nbytes: int) -> bool:

@@ -39,13 +39,13 @@ def test_bench_storage_refuses_a_missing_parent_and_cleans_up_when_interrupted(t
     import signal
     import time
 
-    p = kvcache("bench", "storage", "--quick", "--no-metadata", "--root",
+    p = kvcache("bench", "storage", "--quick", "--no-metadata", "--create", "--root",
                 str(tmp_path / "no" / "such"))
     assert p.returncode == 2 and "parent directory does not exist" in p.stderr
     assert not (tmp_path / "no").exists()  # nothing created
     root = tmp_path / "bench"
     proc = subprocess.Popen([sys.executable, "-m", "kvcache_core.cli", "bench", "storage",
-                             "--quick", "--no-metadata", "--root", str(root)],
+                             "--quick", "--no-metadata", "--create", "--root", str(root)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=REPO))
     def writing() -> bool:  # the benchmark has files in its scratch directory

@@ -319,19 +319,23 @@ def bench_metadata(root: str, levels: list[int], probes: int) -> list[dict]:
 
 def run(args) -> dict[str, Any]:
     """Measure under ``args.root`` in a private scratch directory that is removed at the
-    end, also when interrupted. The root's parent must exist (a typo in a path is an
-    error, not a new directory tree); a root that is a file or not writable is an
-    ``OSError`` that the CLI prints as one line."""
+    end, also on an error or when interrupted. A missing root is refused unless
+    ``args.create`` (then it is created, its parent must exist: a typo in a path is an
+    error, not a new directory tree, and removed again at the end); a root that is a file
+    or not writable is an ``OSError`` that the CLI prints as one line."""
     user_root = os.path.abspath(args.root)
     parent = os.path.dirname(user_root)
+    made = not os.path.exists(user_root)
+    if made and not getattr(args, "create", False):
+        raise FileNotFoundError(2, "root does not exist (--create creates it and removes "
+                                "it afterwards)", user_root)
     if not os.path.isdir(parent):
         raise FileNotFoundError(2, "parent directory does not exist", parent)
-    made = not os.path.exists(user_root)
     if made:
         os.mkdir(user_root)
     try:
         root = tempfile.mkdtemp(prefix=".kvcache-bench-", dir=user_root)
-    except OSError:
+    except BaseException:
         if made:
             os.rmdir(user_root)
         raise
@@ -347,6 +351,64 @@ def run(args) -> dict[str, Any]:
         if made:
             with contextlib.suppress(OSError):
                 os.rmdir(user_root)
+
+
+def _volume(sizes: list[int], depths: list[int], budget: int, max_ops: int, repeats: int,
+            modes: list[str], levels: list[int]) -> tuple[int, int, int, int]:
+    """(bytes written, bytes read, peak bytes on disk, files published) of a run."""
+    written = read = peak = 0
+    for size in sizes:
+        n = _count_for(size, budget, max_ops)
+        per_mode = {m: n * (HEADER_BYTES + _round4k(size) if m == "reactor" else size)
+                    for m in modes}
+        written += len(depths) * repeats * sum(per_mode.values())
+        read += len(depths) * repeats * sum(per_mode.values())
+        peak = max(peak, n * size + per_mode.get("reactor", 0))
+    top = max(levels, default=0)
+    meta_file = HEADER_BYTES + _round4k(1)  # bench_metadata's 1-byte blocks
+    written += top * meta_file
+    return written, read, max(peak, top * meta_file), top
+
+
+def _probe_rates(root: str, direct: bool) -> tuple[float, float, float]:
+    """(write B/s, read B/s, publishes/s) from a short probe in ``root`` (removed)."""
+    d = os.path.join(root, "probe")
+    os.makedirs(d, exist_ok=True)
+    try:
+        size, n, depth = 1 * MiB, 16, 4
+        pool = StagingPool(depth, size, pin=False)
+        try:
+            bufs = [v[:size] for v in pool.views]
+            paths = [os.path.join(d, f"p{i}") for i in range(n)]
+            w = n * size / _raw(paths, size, depth, True, direct, bufs)
+            r = n * size / _raw(paths, size, depth, False, direct, bufs)
+            bufs = []
+        finally:
+            pool.close()
+        lay = Layout(os.path.join(d, "meta"), Namespace("bench-probe", "u8", 1, 1))
+        t0 = time.perf_counter()
+        for i in range(300):
+            lay.write_block(i.to_bytes(8, "little"), b"x")
+        pub = 300 / (time.perf_counter() - t0)
+        lay.close()
+        return w, r, pub
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _announce(root: str, sizes, depths, budget, max_ops, repeats, modes, levels,
+              probes: int) -> None:
+    written, read, peak, files = _volume(sizes, depths, budget, max_ops, repeats, modes,
+                                         levels)
+    _progress(f"will write about {written / 1e9:.1f} GB and read {read / 1e9:.1f} GB "
+              f"under {root} (at most {peak / 1e9:.1f} GB on disk at a time"
+              + (f", {files} files in the metadata part" if files else "")
+              + "); everything is removed at the end")
+    w, r, pub = _probe_rates(root, probe_direct(root, "auto"))
+    est = written / w + read / r + files / pub + 2 * probes * len(levels) / 1e5
+    _progress(f"roughly {est / 60:.0f} min ({est:.0f} s) at the probed {w / 1e9:.2f} GB/s "
+              f"write, {r / 1e9:.2f} GB/s read, {pub:.0f} publishes/s (1 MiB files, "
+              "depth 4: a rough guide)")
 
 
 def _run_in(args, root: str) -> dict[str, Any]:
@@ -367,6 +429,8 @@ def _run_in(args, root: str) -> dict[str, Any]:
                                           else [10_000, 100_000, 1_000_000])
     _progress(f"root={root} fs={_fs_of(root)} direct_io={probe_direct(root, 'auto')} "
               f"quick={quick}")
+    probes = 50_000 if quick else 100_000
+    _announce(root, sizes, depths, budget, max_ops, repeats, modes, levels, probes)
     t_start = time.time()
     rows, peak = bench_throughput(root, sizes, depths, budget, max_ops, repeats, modes)
 
@@ -376,7 +440,7 @@ def _run_in(args, root: str) -> dict[str, Any]:
                 return r["gbps"]
         return None
 
-    meta = bench_metadata(root, levels, 50_000 if quick else 100_000) if levels else []
+    meta = bench_metadata(root, levels, probes) if levels else []
     big = [m for m in meta if m["files_in_root"] >= 100_000]
     out: dict[str, Any] = {
         "benchmark": "storage",

@@ -437,10 +437,37 @@ class OffloadingConnector(_VllmOffloadingConnector):
                                        written=written)
 
     # ------------------------------------------------------------------ scheduler role
+    def _restore_failed(self, failed_keys: Any) -> None:
+        """Self-healing (issue 12 item 4): a chunk whose load failed is recomputed by its
+        request (vLLM resets the request's computed tokens to that chunk in this same
+        ``update_from_output``, before this hook); rewind the request's store cursor to
+        the first failed chunk so that vLLM's store-job builder stores the recomputed
+        chunks (keys still cached are skipped by ``prepare_store``). Without it vLLM
+        treats loaded chunks as already offloaded and the next request recomputes too."""
+        cs = self.connector_scheduler
+        loads_of = getattr(cs.manager, "loads_of", None)
+        req_status = getattr(cs, "_req_status", None)
+        if loads_of is None or req_status is None:
+            return
+        for rid, keys in loads_of(failed_keys).items():
+            st = req_status.get(rid)
+            for gs in getattr(st, "group_states", ()):
+                okeys = getattr(gs, "offload_keys", None)
+                nxt = getattr(gs, "next_stored_chunk_idx", None)
+                if okeys is None or nxt is None:
+                    continue
+                first = next((i for i, k in enumerate(okeys[:nxt]) if k in keys), None)
+                if first is not None:
+                    gs.next_stored_chunk_idx = first
+                    cs.manager.counters["restores_planned"] += sum(
+                        1 for k in okeys[first:nxt] if k in keys)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         cs = self.connector_scheduler
         if isinstance(meta, PyKVCacheWorkerMetadata) and cs is not None:
+            if meta.failed_keys:
+                self._restore_failed(meta.failed_keys)
             on_report = getattr(cs.manager, "on_worker_report", None)
             if on_report is not None:
                 on_report(meta.failed_keys, meta.counters, meta.staged, meta.written)

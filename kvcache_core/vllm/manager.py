@@ -91,6 +91,8 @@ MANAGER_COUNTERS: dict[str, str] = {
     "request's prompt is shorter than disk_min_prefix_tokens.",
     "stores_skipped_short": "Chunks not stored at all because their request's prompt is "
     "shorter than disk_min_prefix_tokens and the DRAM tier had no slot (or is off).",
+    "restores_planned": "Chunks whose load failed (missing or corrupt file, invalid DRAM "
+    "slot) that their own request re-stores once it has recomputed them (self-healing).",
     "dram_evictions": "DRAM-tier slots reclaimed from another key.",
     "load_failures": "Chunk loads that failed (missing/corrupt file or invalid DRAM "
     "slot); vLLM recomputed them.",
@@ -425,6 +427,16 @@ class PyKVCacheManager(OffloadingManager):
         if self._loading_refs[key] <= 0:
             del self._loading_refs[key]
             self._failed.discard(key)
+
+    def loads_of(self, keys: Collection[bytes]) -> dict[str, set[OffloadKey]]:
+        """Requests with a load of any of ``keys`` in flight: req id -> those keys
+        (scheduler thread; walks the loads in flight, so call it on failures only)."""
+        want = {OffloadKey(k) for k in keys}
+        out: dict[str, set[OffloadKey]] = {}
+        for rid, key in self._loading:
+            if key in want:
+                out.setdefault(rid, set()).add(key)
+        return out
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         req_id = req_context.req_id

@@ -95,8 +95,9 @@ def test_disk_hit_promoted_to_dram(dram_run, reference, model_dir, root1):
 
 def test_corrupt_files_are_recomputed(dram_run, reference, model_dir, root1):
     """Truncate one of C's files and flip a payload byte in another: vLLM recomputes, the
-    output is unchanged, both files are counted and removed, later requests re-store and
-    hit again."""
+    output is unchanged, both files are counted and removed, and the request that found
+    them corrupt re-stores the recomputed chunks itself (self-healing, issue 12 item 4):
+    the very next request hits all three chunks from disk."""
     files = dram_run["c_files"]
     assert len(files) == 3
     truncated, flipped = files[0], files[1]
@@ -112,25 +113,21 @@ def test_corrupt_files_are_recomputed(dram_run, reference, model_dir, root1):
         bad = H.generate(llm, C)
         H.drain(llm)
         s1 = m.stats()
-        removed = not os.path.exists(truncated) and not os.path.exists(flipped)
-        again = H.generate(llm, C)  # chunk 0 is a miss now: recompute + re-store
-        H.drain(llm)
-        s2 = m.stats()
+        sizes = [os.path.getsize(p) if os.path.exists(p) else -1 for p in (truncated, flipped)]
         healed = H.generate(llm, C)
         H.drain(llm)
-        s3 = m.stats()
+        s2 = m.stats()
     finally:
         H.shutdown(llm)
     assert H.same_output(bad, reference["C"])
     assert s1["files_corrupt"] == 2 and s1["chunks_failed"] == 2, s1
-    assert s1["load_failures"] == 2
-    assert removed
-    assert H.same_output(again, reference["C"]) and again["num_cached_tokens"] == 0
-    assert H.delta(s2, s1).get("stores_written") == 2
+    assert s1["load_failures"] == 2 and s1["restores_planned"] == 2, s1
+    assert s1["stores_written"] == 2, s1  # re-stored by the request that recomputed them
+    assert sizes == [H.FILE_BYTES, H.FILE_BYTES]
     assert H.same_output(healed, reference["C"])
     assert healed["num_cached_tokens"] == FULL_HIT
-    assert H.delta(s3, s2).get("chunks_loaded_disk") == 3
-    assert os.path.getsize(truncated) == os.path.getsize(flipped) == H.FILE_BYTES
+    d = H.delta(s2, s1)
+    assert d.get("chunks_loaded_disk") == 3 and "chunks_failed" not in d, d
 
 
 def test_concurrent_requests_read_each_block_once(dram_run, reference, model_dir, root1):
@@ -346,13 +343,15 @@ def test_config_errors_name_the_key(model_dir, workdir):
     ]})
     errs = r["errors"]
     assert all(e is not None for e in errs), errs
-    assert "ConfigError" in errs[0] and "unknown config key 'io_depht'" in errs[0]
-    assert "ConfigError" in errs[1] and "'eviction_policy'" in errs[1]
-    assert "ConfigError" in errs[2] and "'block_size'" in errs[2]
-    assert "ConfigError" in errs[3] and "'staging_bytes'" in errs[3]
-    assert "ConfigError" in errs[4] and "'preload_lookahead'" in errs[4]
-    assert "ConfigError" in errs[5] and "'breakeven_table'" in errs[5]
-    assert "ConfigError" in errs[6] and "'disk_min_prefix_tokens'" in errs[6]
+    # a ConfigError, raised by the engine or (vLLM plugin, issue 13 item 3) already while
+    # vLLM validates KVTransferConfig, where pydantic wraps it: the message names the key
+    named = ["unknown config key 'io_depht'", "'eviction_policy'", "'block_size'",
+             "'staging_bytes'", "'preload_lookahead'", "'breakeven_table'",
+             "'disk_min_prefix_tokens'"]
+    for e, key in zip(errs, named, strict=True):
+        assert ("ConfigError" in e or "py-kvcache config key" in e
+                or "py-kvcache: unknown config key" in e), e
+        assert key in e, (key, e)
 
 
 def test_tensor_parallel_2(model_dir, workdir):
