@@ -59,6 +59,11 @@ class Copier(ABC):
     def done(self, handle: Any) -> bool:
         return True
 
+    def sync_all(self) -> None:
+        """Block until every copy issued so far has finished (any thread). Synchronous
+        copiers have nothing in flight."""
+        return None
+
 
 class NullCopier(Copier):
     """No device: the slot payload is the destination (storage benchmark)."""

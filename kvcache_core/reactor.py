@@ -303,6 +303,12 @@ class Reactor:
         #: None while the reactor thread serves; the reason once it died (every request
         #: then completes at once with its items failed: callers recompute)
         self.dead: str | None = None
+        #: time.monotonic() of the loop's last iteration (read by the worker's watchdog)
+        self.heartbeat = time.monotonic()
+        #: held while deciding to issue a device copy and issuing it, and by
+        #: :meth:`declare_stalled` while it marks the reactor dead: no copy is issued after
+        #: a caller gave the reactor's requests up (vLLM may already reuse those GPU blocks)
+        self._copy_gate = threading.Lock()
         self._rflags = os.O_RDONLY | (os.O_DIRECT if self.direct else 0)
         self._wflags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
         # client -> reactor
@@ -364,6 +370,29 @@ class Reactor:
     def healthy(self) -> bool:
         """False once the reactor thread has died (see :attr:`dead`)."""
         return self.dead is None
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not completed (any thread)."""
+        return self._outstanding
+
+    def declare_stalled(self, reason: str, timeout: float = 5.0) -> bool:
+        """Give the reactor up from another thread (the worker's watchdog): the reactor
+        thread is alive but stuck (a synchronous syscall on a hung filesystem). After this
+        returns True, the reactor never issues another device copy, every device copy
+        issued before has finished, and new submissions fail at once; the caller reports
+        the requests still in flight as failed itself. False if a device copy being issued
+        kept the gate for ``timeout`` seconds (then it is not stuck: try again later)."""
+        if not self._copy_gate.acquire(timeout=timeout):
+            return False
+        try:
+            if self.dead is None:
+                self.dead = reason
+                log.error("py-kvcache: %s; the engine runs recompute-only from now on", reason)
+        finally:
+            self._copy_gate.release()
+        self.copier.sync_all()
+        return True
 
     def cancel(self, req_id: Hashable) -> None:
         """Cancel a request: tasks not yet reading/writing are dropped (completion says so)."""
@@ -436,6 +465,7 @@ class Reactor:
             timing = self.timing
             while self._running or self._inbox:
                 timing["iterations"] += 1
+                self.heartbeat = time.monotonic()
                 worked = self._step()
                 if not worked:
                     # Device copies in flight (CUDA events) wake nobody: poll them. LOAD
@@ -767,9 +797,12 @@ class Reactor:
         """ONE device -> host copy for ``tasks`` (blocks of one store request)."""
         try:
             c0 = time.perf_counter()
-            handle = self.copier.from_device_batch([t.slot for t in tasks],
-                                                   [t.ref for t in tasks],
-                                                   [t.nbytes for t in tasks])
+            with self._copy_gate:
+                if self.dead is not None:  # given up: the GPU blocks may be reused already
+                    raise RuntimeError(f"reactor given up ({self.dead})")
+                handle = self.copier.from_device_batch([t.slot for t in tasks],
+                                                       [t.ref for t in tasks],
+                                                       [t.nbytes for t in tasks])
             self.timing["from_device_s"] += time.perf_counter() - c0
         except Exception as e:  # bad source: fail these items, keep serving
             log.error("py-kvcache: store copy of %d blocks failed: %s", len(tasks), e)
@@ -1028,7 +1061,10 @@ class Reactor:
             t.state = COPY_OUT
         try:
             c0 = time.perf_counter()
-            handle = self.copier.to_device(slots, dests, nbytes)
+            with self._copy_gate:
+                if self.dead is not None:  # given up by the watchdog: never write the GPU
+                    raise RuntimeError(f"reactor given up ({self.dead})")
+                handle = self.copier.to_device(slots, dests, nbytes)
             self.timing["to_device_s"] += time.perf_counter() - c0
         except Exception as e:  # bad destination: fail the batch's items, keep serving
             log.error("py-kvcache: device copy of %d blocks failed: %s", len(batch), e)

@@ -117,6 +117,9 @@ WORKER_COUNTERS: dict[str, str] = {
     "miss and recomputed, a store dropped): a hung or very slow cache filesystem.",
     "items_expired": "Worker: blocks of requests older than twice io_timeout_s that had "
     "not started (queued behind stuck operations); failed the same way.",
+    "reactor_stalled": "Worker: the I/O reactor had work but made no progress for 2 x "
+    "io_timeout_s (stuck in a synchronous call on a hung filesystem): given up, jobs in "
+    "flight finished as failed loads / uncached stores, engine recompute-only.",
     "symlinks_skipped": "Worker: symlinks found where cache files or directories belong; "
     "never followed (docs/security.md).",
     "stores_dropped_enospc": "Worker: stores dropped because the disk was full.",

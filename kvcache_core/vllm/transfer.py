@@ -328,6 +328,12 @@ class KVCopier(Copier):
         return self._run(self.g.batch_ops(good, bases), to_device=True, after=None, slot=-1,
                          direct=True)
 
+    def sync_all(self) -> None:
+        """Block until every device copy issued so far is done (any thread; the stall
+        watchdog, before it reports the jobs of a stuck reactor as failed)."""
+        if self.cuda:  # pragma: no cover - needs CUDA
+            torch.cuda.synchronize(self.g.device)
+
     def sync(self, handle: Any) -> None:
         """Block until a copy handle is done (any thread)."""
         if handle is not None:

@@ -99,7 +99,8 @@ class PyKVCacheWorker(OffloadingWorker):
         self.layout = Layout(storage.root_dir, namespace, max_disk_bytes=max_disk_bytes,
                              durable=storage.durable, dir_mode=storage.dir_mode,
                              file_mode=storage.file_mode,
-                             allow_foreign_root=storage.allow_foreign_root)
+                             allow_foreign_root=storage.allow_foreign_root,
+                             publish_method=storage.publish_method)
         try:
             self.reactor = Reactor(
                 self.layout, n_slots=pool.n_staging, external_slots=pool.n_dram,
@@ -115,6 +116,9 @@ class PyKVCacheWorker(OffloadingWorker):
             self.layout.close()
             raise
         self._jobs: dict[int, _Job] = {}
+        #: the reactor thread counts as stuck when it has work and its loop has not turned
+        #: for this long (2 x io_timeout_s; 0: no watchdog); see :meth:`_watchdog`
+        self.watchdog_s = 2.0 * storage.io_timeout_s
         #: the reactor's copier; :meth:`KVCopier.load_direct` is its one method that this
         #: (model-runner) thread may call
         self.copier: KVCopier = self.reactor.copier  # type: ignore[assignment]
@@ -293,6 +297,8 @@ class PyKVCacheWorker(OffloadingWorker):
         t0 = time.perf_counter()
         if self.reactor.trace is not None:
             self.reactor.trace_event("fwd_end")  # diagnostics: vLLM calls this per step
+        if self.watchdog_s and self._jobs:
+            self._watchdog()
         self._drain()
         out, self._results = self._results, []
         self.timing["main_get_finished_s"] += time.perf_counter() - t0
@@ -311,6 +317,8 @@ class PyKVCacheWorker(OffloadingWorker):
                         self.copier.sync(h)
                 with self._cv:
                     gen = self._gen
+                if self.watchdog_s:
+                    self._watchdog()  # a stuck reactor must not hang vLLM's flush either
                 self._drain()
                 if not any(j in self._jobs for j in job_ids):
                     return
@@ -318,6 +326,35 @@ class PyKVCacheWorker(OffloadingWorker):
                     self._cv.wait_for(functools.partial(self._moved, gen), timeout=1.0)
         finally:
             self.timing["main_wait_s"] += time.perf_counter() - t0
+
+    def _watchdog(self) -> None:
+        """Model-runner thread, every step with jobs in flight: if the reactor has work and
+        its loop has not turned for ``watchdog_s`` (its thread is stuck inside a
+        synchronous call on a hung filesystem: per-operation deadlines cannot fire), give
+        it up (:meth:`Reactor.declare_stalled`: no device copy after that) and finish every
+        job still in flight here: loads with all chunks failed (vLLM recomputes them),
+        stores as done (their blocks are simply not cached). From then on this engine is
+        recompute-only, as after a reactor death."""
+        r = self.reactor
+        if r.dead is not None or not r.outstanding:
+            return
+        idle = time.monotonic() - r.heartbeat
+        if idle <= self.watchdog_s:
+            return
+        if not r.declare_stalled(f"the I/O reactor made no progress for {idle:.0f} s "
+                                 f"with {r.outstanding} requests in flight"):
+            return
+        self.counters["reactor_stalled"] += 1
+        for job_id in [j for j in self._jobs if j not in self._direct]:
+            job = self._jobs.pop(job_id)
+            if job.is_load:
+                self._load_done(job, [False] * len(job.refs))
+            wb = self._writeback.pop(job_id, None)
+            if wb:  # unpins their DRAM slots in the scheduler (no file will come)
+                self._written_keys.extend(wb)
+            self._results.append(TransferResult(job_id, True, job.gpu_bytes,
+                                                time.perf_counter() - job.t0))
+        self._preloads.clear()
 
     def _moved(self, gen: int) -> bool:
         return self._gen != gen
@@ -423,7 +460,8 @@ class PyKVCacheWorker(OffloadingWorker):
             return
         self._closed = True
         try:
-            self.reactor.wait(timeout=120)
+            if self.reactor.dead is None:  # a given-up reactor may never finish its work
+                self.reactor.wait(timeout=120)
             self._drain()
             self.reactor.close()
         finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -680,3 +681,71 @@ def test_model_identity_changes_with_everything_that_changes_the_kv(tmp_path):
     hub = O.model_identity(_mc("meta-llama/Llama-3.2-3B"), "auto")
     assert hub == O.model_identity(_mc("meta-llama/Llama-3.2-3B"), "auto")
     assert hub[1]["weights"] == ""
+
+
+def test_worker_watchdog_gives_up_a_stuck_reactor(tmp_path, vllm_available):
+    """Issue 12 item 1 (watchdog): the reactor thread hangs inside a synchronous call (a
+    publish on a hung filesystem). A load job submitted meanwhile is finished by the
+    worker after 2 x io_timeout_s with its blocks reported for recompute, a flush (wait)
+    returns, the engine turns recompute-only, and when the stuck call finally returns the
+    reactor never writes the GPU blocks of the given-up job."""
+    import threading
+
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+
+    from kvcache_core.vllm.specs import PyKVLoadSpec, PyKVStoreSpec
+    from kvcache_core.vllm.worker import PyKVCacheWorker
+
+    page, nb, bpc = 4096, 32, 2
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randint(-128, 127, (nb, page), dtype=torch.int8, generator=g)
+          for _ in range(2)]
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, page) for t in ts],
+                           [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]])
+    ns = Namespace("unit/model", "int8", 2 * 16, block_bytes=2 * page * bpc)
+    cfg = StorageConfig(root_dir=str(tmp_path), staging_bytes=4 * ns.file_bytes, io_depth=2,
+                        lookahead=2, copy_headroom=1, io_timeout_s=0.25)
+    w = PyKVCacheWorker(kv, storage=cfg, namespace=ns, pool=O.pool_geometry(cfg, ns),
+                        blocks_per_chunk=bpc, max_disk_bytes=0)
+    release = threading.Event()
+    try:
+        k1, k2 = key(1), key(2)
+        w.submit_store(1, GPULoadStoreSpec([3, 5], [2], [0]), PyKVStoreSpec([k1], [-1]))
+        _run(w, 1)
+        assert w.reactor.wait(30) and w.layout.exists(k1)
+        real_publish = w.layout.publish
+
+        def hung_publish(*a, **kw):  # the next publish blocks the reactor thread
+            release.wait(60)
+            return real_publish(*a, **kw)
+
+        w.layout.publish = hung_publish
+        w.submit_store(2, GPULoadStoreSpec([7, 9], [2], [0]), PyKVStoreSpec([k2], [-1]))
+        w.wait({2})  # acknowledged once copied; its file write then hangs in publish
+        w.get_finished()
+        time.sleep(0.3)
+        before = [t[10:12].clone() for t in ts]
+        w.submit_load(3, PyKVLoadSpec([k1], [-1], [0]), GPULoadStoreSpec([10, 11], [2], [0]))
+        t0 = time.monotonic()
+        w.wait({3})  # returns through the watchdog, not through the reactor
+        took = time.monotonic() - t0
+        res = {r.job_id: r for r in w.get_finished()}
+        assert 3 in res and res[3].success and took < 5, took
+        assert w.take_invalid_block_ids() == {10, 11}
+        failed, counters = w.take_report()
+        assert failed == {k1}
+        assert counters["reactor_stalled"] == 1 and counters["reactor_dead"] == 1
+        release.set()  # the stuck call returns: the reactor must not touch blocks 10, 11
+        time.sleep(0.5)
+        assert all(torch.equal(t[10:12], b) for t, b in zip(ts, before, strict=True))
+        w.submit_load(4, PyKVLoadSpec([k1], [-1], [0]), GPULoadStoreSpec([12, 13], [2], [0]))
+        _run(w, 4)  # later jobs complete at once (recompute-only)
+        assert w.take_invalid_block_ids() == {12, 13}
+    finally:
+        release.set()
+        w.shutdown()
