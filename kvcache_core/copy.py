@@ -11,9 +11,8 @@ the reactor frees (or retains) the slot only once the copy is done.
   asynchronously (benchmarks of the reactor's own scheduling, e.g. GIL contention).
 * :class:`MemcpyCopier` - CPU-only machines and CI: destinations/sources are writable
   buffers (memoryview, bytearray, numpy array or CPU tensor); copies are synchronous.
-* :class:`CudaCopier` - torch CUDA: one dedicated stream for batched host->device copies
-  with an event per batch; one stream per slot for device->host copies that first wait
-  on the producer's event (no device-wide synchronisation).
+* The CUDA copier of the vLLM integration (:class:`kvcache_core.vllm.transfer.KVCopier`):
+  batched descriptors, one ``swap_blocks_batch`` per batch, CUDA events as handles.
 
 The payload of slot ``s`` is ``pool.views[s][offset:offset + nbytes]``; ``offset`` is the
 file header size so that header + payload are read/written in one I/O.
@@ -115,55 +114,3 @@ def _as_view(buf: Any) -> memoryview:
     if hasattr(buf, "numpy"):  # torch CPU tensor
         return memoryview(buf.view(-1).numpy().view("uint8"))
     return memoryview(buf).cast("B")
-
-
-class CudaCopier(Copier):
-    """Batched pinned-host <-> CUDA copies with torch streams and events.
-
-    Destinations/sources are CUDA uint8 tensors (or any tensor viewable as bytes) of at
-    least ``nbytes``. A store's ``src`` may be ``(tensor, event)``: the copy waits on
-    ``event`` (the step that produced the KV) on the slot's own stream.
-    """
-
-    asynchronous = True
-
-    def __init__(self, pool: StagingPool, offset: int, device: Any = None) -> None:
-        super().__init__(pool, offset)
-        import torch
-
-        self.torch = torch
-        self.device = torch.device(device or "cuda")
-        self.load_stream = torch.cuda.Stream(self.device)
-        self.store_streams = [torch.cuda.Stream(self.device) for _ in range(pool.n_slots)]
-
-    def _payload(self, slot: int, n: int):
-        return self.pool.tensor(slot)[self.offset:self.offset + n]
-
-    def to_device(self, slots, dests, nbytes):
-        torch = self.torch
-        with torch.cuda.stream(self.load_stream):
-            for s, d, n in zip(slots, dests, nbytes, strict=False):
-                if d is not None:
-                    d.view(-1).view(torch.uint8)[:n].copy_(self._payload(s, n),
-                                                           non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.load_stream)
-        return ev
-
-    def from_device(self, slot, src, nbytes):
-        torch = self.torch
-        stream = self.store_streams[slot]
-        after = None
-        if isinstance(src, tuple):
-            src, after = src
-        with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)
-            self._payload(slot, nbytes).copy_(src.view(-1).view(torch.uint8)[:nbytes],
-                                              non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-        return ev
-
-    def done(self, handle) -> bool:
-        return handle is None or handle.query()
