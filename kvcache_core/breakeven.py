@@ -1,4 +1,5 @@
-"""Break-even table and gate (R9): a hit is loaded only where loading beats recomputing.
+"""Break-even table and gate (R9, docs/requirements.md): a hit is loaded only where
+loading beats recomputing.
 
 Table file (JSON, versioned)::
 

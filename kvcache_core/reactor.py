@@ -27,7 +27,8 @@ Store: slot (a caller-owned DRAM-tier slot, or a staging slot taken at once) -> 
        and so are the request's later staging blocks (a prefix with a hole is useless);
        with ``"wait"`` (storage benchmarks, tests) it waits for a slot in arrival order.
 
-Priorities (R8): ready foreground reads > new foreground loads, store copies and
+Priorities (R8, docs/requirements.md): ready foreground reads > new foreground loads,
+store copies and
 write-back > speculative loads (a freed ``io_depth`` unit goes to a ready read first). At
 most ONE speculative load is open or reading at a time; it may only take a slot above the
 ``io_depth`` foreground reservation; a foreground load arriving while the speculative
