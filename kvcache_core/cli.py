@@ -532,6 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reverse", action="store_true", help="remove the patches")
     pv.add_argument("--vllm-version", help="override the detected vLLM version")
     pv.set_defaults(func=_cmd_patch_vllm)
+
+    from .replay import add_parsers as _add_replay_parsers  # replay, workload (issue 11)
+
+    _add_replay_parsers(sub)
     return p
 
 

@@ -89,6 +89,12 @@ KEY_HELP: dict[str, str] = {
     "shared by all processes; least-recently-used files are evicted beyond it. 0 = unbounded.",
     "durable": "fdatasync each file before publishing it (survives power loss; slower).",
     "direct_io": "'auto' (probe the filesystem), 'on' (require O_DIRECT) or 'off'.",
+    "publish_method": "How a finished block file gets its final name: 'link' (hard link of "
+    "the complete temp file; fails if the name exists), 'rename' (existence check + rename "
+    "of the complete temp file under the ledger lock; for distributed filesystems whose "
+    "hard links are not atomic across clients, e.g. a GlusterFS distribute volume) or "
+    "'auto' (rename when root_dir is on a FUSE filesystem, else link). Both never show a "
+    "partial file and the first writer of a block wins. Default 'auto' (docs/scale-out.md).",
     "engine": "'auto' (io_uring, POSIX fallback with a warning), 'io_uring' or 'posix'.",
     "verify_checksum": "Check the xxh3-64 of every payload read from disk (corrupt = miss).",
     "io_timeout_s": "Deadline of one file operation (open, read, write, fsync, close), in "
@@ -118,6 +124,7 @@ class StorageConfig:
     max_disk_bytes: int = 0
     durable: bool = False
     direct_io: str = "auto"
+    publish_method: str = "auto"
     engine: str = "auto"
     verify_checksum: bool = True
     io_timeout_s: float = 30.0
@@ -154,6 +161,8 @@ class StorageConfig:
         need(self.max_disk_bytes >= 0, "max_disk_bytes", "must be >= 0 (0 = unbounded)")
         need(self.eviction_policy in ("lru", "arc"), "eviction_policy", "must be 'lru' or 'arc'")
         need(self.direct_io in ("auto", "on", "off"), "direct_io", "must be auto, on or off")
+        need(self.publish_method in ("link", "rename", "auto"), "publish_method",
+             "must be link, rename or auto")
         need(self.engine in ("auto", "io_uring", "posix"), "engine",
              "must be auto, io_uring or posix")
         need(isinstance(self.durable, bool), "durable", "must be true or false")

@@ -20,6 +20,10 @@ Contracts:
   (``O_CREAT|O_EXCL``), optionally ``fdatasync``-ed (``durable``), then hard-linked to its
   final name (fails if the name exists: no replacement, exact accounting) and the temp
   name unlinked. A reader never sees a partial file under a final name.
+  ``publish_method="rename"`` (distributed filesystems where a fresh hard link can be seen
+  empty or not at all from another client, e.g. a GlusterFS distribute volume) renames the
+  complete temp instead, after an existence check under the ledger lock: first writer
+  wins there too (:meth:`Layout.publish`). ``"auto"`` picks rename on FUSE mounts.
 * Lookup is an existence check (``access``), no open.
 * ``max_disk_bytes`` bounds the published bytes of the namespace across all processes that
   share it (ledger in ``.usage`` under ``flock``). Beyond it, least-recently-used files
@@ -179,14 +183,36 @@ def make_dirs(path: str, mode: int = DEFAULT_DIR_MODE, umask: int | None = None)
         _fix_dir_mode(d, mode, umask)
 
 
+#: errors of a file or directory creation that lost a race with another client of a
+#: distributed filesystem (stale entry of the losing client): worth a retry
+_RACE_ERRNOS = (errno.ENOENT, errno.ESTALE)
+
+
 def _private_dir(path: str, mode: int, umask: int) -> None:
     """Create directory ``path`` (its parent exists) with exactly ``mode``, or accept an
     existing real directory. A symbolic link (or anything else) there raises OSError
-    (ELOOP / ENOTDIR): it is never followed."""
-    try:
-        os.mkdir(path, mode)
-    except FileExistsError:
-        st = os.lstat(path)
+    (ELOOP / ENOTDIR): it is never followed.
+
+    A ``mkdir`` that races another client's ``mkdir`` of the same name on a distributed
+    filesystem (GlusterFS: ESTALE, or EEXIST then ENOENT while the other one is still in
+    flight) is retried a few times before the error is raised."""
+    for attempt in range(6):
+        try:
+            os.mkdir(path, mode)
+            break
+        except FileExistsError:
+            try:
+                st = os.lstat(path)
+            except OSError as e:
+                if e.errno not in _RACE_ERRNOS or attempt == 5:
+                    raise
+                time.sleep(0.01 * 2 ** attempt)
+                continue
+        except OSError as e:
+            if e.errno != errno.ESTALE or attempt == 5:
+                raise
+            time.sleep(0.01 * 2 ** attempt)
+            continue
         if stat.S_ISDIR(st.st_mode):
             return
         if stat.S_ISLNK(st.st_mode):
@@ -230,6 +256,71 @@ def _open_private(path: str, flags: int, mode: int, umask: int) -> tuple[int, bo
                 os.unlink(path)
             replaced = True
     raise OSError(errno.ELOOP, f"cannot create {path} (replaced repeatedly)", path)
+
+
+PUBLISH_METHODS = ("link", "rename", "auto")
+#: statfs f_type of FUSE mounts (GlusterFS, 3FS, Weka's client, JuiceFS, ...)
+FUSE_SUPER_MAGIC = 0x65735546
+
+
+def _mountinfo_fstype(path: str) -> str | None:
+    """Filesystem type of the mount holding ``path`` from /proc/self/mountinfo (longest
+    mount point that contains it), e.g. ``fuse.glusterfs``; None if unreadable."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    best, fstype = -1, None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        parts = left.split()
+        if not sep or len(parts) < 5 or not right.split():
+            continue
+        mnt = parts[4].replace("\\040", " ").replace("\\011", "\t").replace(
+            "\\012", "\n").replace("\\134", "\\")
+        inside = path == mnt or mnt == "/" or path.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= best:  # a later equal-length line is a mount on top
+            best, fstype = len(mnt), right.split()[0]
+    return fstype
+
+
+def _statfs_type(path: str) -> int | None:
+    """statfs(2) ``f_type`` of ``path`` (Linux, through libc), None if unavailable."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return None
+        return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def is_fuse(path: str) -> bool:
+    """Whether ``path`` lies on a FUSE filesystem (mountinfo fstype ``fuse*``, else the
+    statfs magic)."""
+    real = os.path.realpath(path)
+    fstype = _mountinfo_fstype(real)
+    if fstype is not None:
+        return fstype.startswith("fuse")
+    return _statfs_type(real) == FUSE_SUPER_MAGIC
+
+
+def resolve_publish_method(method: str, root: str) -> str:
+    """``"link"`` or ``"rename"`` for ``method`` (``"auto"``: rename on FUSE, else link).
+    Raises :class:`~kvcache_core.config.ConfigError` naming ``publish_method``."""
+    if method not in PUBLISH_METHODS:
+        from .config import ConfigError
+
+        raise ConfigError(f"py-kvcache config key 'publish_method': must be link, rename or "
+                          f"auto (got {method!r})")
+    if method == "auto" and root:
+        return "rename" if is_fuse(root) else "link"
+    return method
 
 
 def _host_tag() -> str:
@@ -404,8 +495,13 @@ class Layout(LayoutIndex):
     def __init__(self, root: str, ns: Namespace, *, max_disk_bytes: int = 0,
                  durable: bool = False, collect: bool = True,
                  dir_mode: int = DEFAULT_DIR_MODE, file_mode: int = DEFAULT_FILE_MODE,
-                 allow_foreign_root: bool = False) -> None:
+                 allow_foreign_root: bool = False, publish_method: str = "link") -> None:
         """Open (creating what is missing) namespace ``ns`` under ``root``.
+
+        ``publish_method``: ``"link"`` (hard link, the default), ``"rename"`` (existence
+        check + rename under the ledger lock; for distributed filesystems whose hard links
+        are not published atomically) or ``"auto"`` (rename when the root is on a FUSE
+        filesystem, else link); the choice is in :attr:`publish_method`.
 
         Directories created here and later (root and missing parents, namespace, shard
         directories) get exactly ``dir_mode``, files (temp and published blocks,
@@ -417,6 +513,7 @@ class Layout(LayoutIndex):
         """
         if ns.block_bytes <= 0:
             raise ValueError("Namespace.block_bytes must be > 0")
+        resolve_publish_method(publish_method, "")  # a bad value fails before any mkdir
         self.dir_mode = check_mode(dir_mode, "dir_mode", 0o700)
         self.file_mode = check_mode(file_mode, "file_mode", 0o600)
         super().__init__(root, ns)
@@ -445,6 +542,7 @@ class Layout(LayoutIndex):
                               "true to share it on purpose; see docs/security.md)")
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise LayoutError(errno.EACCES, f"py-kvcache root_dir '{root}' is not writable")
+        self.publish_method = resolve_publish_method(publish_method, self.root)
         self._file_bytes = ns.file_bytes
         try:
             _private_dir(self.base, self.dir_mode, umask)
@@ -522,9 +620,44 @@ class Layout(LayoutIndex):
         final = self.path_for(key)
         d = final[: final.rfind("/")]
         if d not in self._made_dirs:
-            self._make_shard_dir(d)
+            if self.publish_method == "rename":
+                # Distributed filesystem: two clients racing to mkdir the same shard
+                # directory can leave one with a stale entry (GlusterFS: ESTALE, ENOENT
+                # for a second; on a replica volume its later lookups there missed a
+                # published name, so first-writer-wins failed). The ledger lock
+                # serializes these first mkdirs across clients; once per directory.
+                with self.ledger.locked():
+                    self._make_shard_dir(d)
+            else:
+                self._make_shard_dir(d)
             self._made_dirs.add(d)
         return f"{d}/{TMP_PREFIX}{self._tag}.{next(self._tmp_counter)}", final
+
+    def create_temp(self, key: bytes, retry_s: float = 3.0) -> tuple[int, str, str]:
+        """Create (``O_CREAT|O_EXCL``, write-only) a new temp file of ``key``; returns
+        (fd, temp path, final path).
+
+        ENOENT / ESTALE on the create are retried for up to ``retry_s`` seconds (shard
+        directories made again, growing pauses): on GlusterFS, a client whose ``mkdir``
+        of a shard directory lost a race with another client keeps a stale entry for it
+        for about a second (its entry timeout), and creates in it fail until then. (The
+        reactor's stores create their temps through the I/O engine: there such a store
+        fails once, counted, and the block is simply not cached.)"""
+        delay, deadline = 0.02, time.monotonic() + retry_s
+        final = self.path_for(key)
+        while True:
+            try:
+                tmp, final = self.temp_path_for(key)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW,
+                             DEFAULT_FILE_MODE)
+            except OSError as e:
+                if e.errno not in _RACE_ERRNOS or time.monotonic() + delay > deadline:
+                    raise
+                self._made_dirs.discard(final[: final.rfind("/")])
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                continue
+            return fd, tmp, final
 
     def _make_shard_dir(self, d: str) -> None:
         for p in (d[: d.rfind("/")], d):
@@ -596,6 +729,8 @@ class Layout(LayoutIndex):
         """
         if self._chmod_tmp:  # the temp was created DEFAULT_FILE_MODE (engine default)
             os.chmod(tmp, self.file_mode)
+        if self.publish_method == "rename":
+            return self._publish_rename(tmp, final, nbytes)
         with self.ledger.locked():  # link + add atomic w.r.t. rescans of other processes
             try:
                 os.link(tmp, final)
@@ -605,6 +740,41 @@ class Layout(LayoutIndex):
                 return False
             self.ledger.add(nbytes)
         os.unlink(tmp)
+        self.stats.published += 1
+        if self.max_disk_bytes:
+            heapq.heappush(self._lru, (time.time(), final))
+        return True
+
+    def _publish_rename(self, tmp: str, final: str, nbytes: int) -> bool:
+        """:meth:`publish` by rename: the temp is complete (written, closed, ``durable``:
+        synced) before it gets its final name, so no reader ever sees a partial file.
+
+        First writer wins as with ``link``: when ``final`` exists the temp is discarded and
+        nothing is overwritten. Check, rename and ledger update happen under the ledger's
+        ``flock``, which every publisher, eviction and rescan of the namespace holds too:
+        between processes whose flock is coherent (one host; GlusterFS, NFSv4, CephFS
+        across clients) no second rename can slip between the check and the rename, so a
+        block is counted once in ``published`` and in the ledger, and every later writer
+        counts ``publish_existing``.
+
+        Where the lock is not coherent across clients (or a stale negative lookup hides a
+        just-published name), two writers may both find the name free and both rename. The
+        loser then replaces the winner's file with the SAME content: blocks are content
+        addressed (the name is the hash of the key, the key is the hash of the token prefix
+        and the namespace, the header carries the key and the payload's checksum), so the
+        replacement is the identical block, and a reader that already opened the first
+        inode keeps reading a complete, valid file. Only the byte ledger can count such a
+        block twice (over-count, never under-count): the next rescan (eviction with an
+        empty candidate heap, a dead writer's collection, or a reopened ``.usage``) sets it
+        back to the bytes on disk.
+        """
+        with self.ledger.locked():
+            if os.path.lexists(final):
+                self.stats.publish_existing += 1
+                self.discard(tmp)
+                return False
+            os.rename(tmp, final)
+            self.ledger.add(nbytes)
         self.stats.published += 1
         if self.max_disk_bytes:
             heapq.heappush(self._lru, (time.time(), final))
@@ -841,8 +1011,7 @@ class Layout(LayoutIndex):
         n = self.fill_header(mv, key, len(payload))
         if not self.reserve(n):
             return False
-        tmp, final = self.temp_path_for(key)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, DEFAULT_FILE_MODE)
+        fd, tmp, final = self.create_temp(key)
         try:
             done = os.write(fd, mv[:n])
             if done != n:  # a full filesystem shows up as a short write

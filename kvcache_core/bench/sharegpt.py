@@ -421,12 +421,13 @@ def summarize(recs: list[dict], wall: float) -> dict:
 
 
 async def _request(session, url: str, payload: dict, rec: dict) -> None:
-    """Send one streaming completion and fill ``rec`` (ttft, latency, itl, tokens,
-    cached_tokens, or error)."""
+    """Send one streaming completion and fill ``rec`` (ttft, latency, itl: gaps between
+    output chunks, chunk_tokens: new tokens per chunk, tokens, cached_tokens, or error)."""
     t0 = time.perf_counter()
     last = None
     tokens = 0
     itl: list[float] = []
+    chunks: list[int] = []  # new output tokens per streamed chunk
     try:
         async with session.post(url, json=payload) as resp:
             if resp.status != 200:
@@ -459,6 +460,7 @@ async def _request(session, url: str, payload: dict, rec: dict) -> None:
                             itl.append(now - last)
                         last = now
                         tokens += new
+                        chunks.append(new)
                 else:  # the final usage chunk
                     if usage.get("completion_tokens") is not None:
                         tokens = usage["completion_tokens"]
@@ -471,6 +473,7 @@ async def _request(session, url: str, payload: dict, rec: dict) -> None:
         rec["latency"] = time.perf_counter() - t0
         rec["tokens"] = tokens
         rec["itl"] = itl
+        rec["chunk_tokens"] = chunks
     except asyncio.CancelledError:
         rec["error"] = "timeout (cancelled at the configuration's deadline)"
         raise
