@@ -102,6 +102,17 @@ MANAGER_COUNTERS: dict[str, str] = {
     "preloads_skipped_queue": "Waiting requests whose short disk prefix was not preloaded "
     "because their expected queueing time would not cover the read (queue-aware preload).",
 }
+#: Gauges of the scheduler side (current values, sent with every stats report that
+#: changes one of them; Prometheus gauges ``vllm:pykvcache_<name>``).
+MANAGER_GAUGES: dict[str, str] = {
+    "healthy": "1 while the I/O reactors serve; 0 once the engine is recompute-only "
+    "(a reactor died or stalled).",
+    "dram_slots": "DRAM-tier slots per worker (dram_cache_bytes / file size).",
+    "dram_cached": "DRAM-tier slots holding a block.",
+    "dram_writeback_pinned": "DRAM-tier slots pinned until their file is written.",
+    "stores_in_flight": "Chunks whose store job is not complete yet.",
+    "loads_in_flight": "Chunks whose load job is not complete yet.",
+}
 #: Counters reported by the workers (summed over ranks).
 WORKER_COUNTERS: dict[str, str] = {
     "chunks_loaded_dram": "Worker: chunks copied to the device from a DRAM-tier slot.",
@@ -180,6 +191,7 @@ class PyKVCacheManager(OffloadingManager):
         self._failed: set[OffloadKey] = set()
         self.counters: collections.Counter[str] = collections.Counter()
         self._reported: dict[str, int] = {}
+        self._reported_gauges: dict[str, int] = {}
         self._lookup_disk = False
         #: counters owned by others (the connector's break-even gate), reported in stats()
         self.extra_counters: dict[str, int] = {}
@@ -624,15 +636,20 @@ class PyKVCacheManager(OffloadingManager):
         """Cumulative counters of this engine (manager + worker-reported), plus gauges."""
         out = {k: self.counters.get(k, 0) for k in (*MANAGER_COUNTERS, *WORKER_COUNTERS)}
         out.update(self.extra_counters)
-        out["dram_slots"] = self.n_dram
-        out["dram_cached"] = self.dram.cached if self.dram is not None else 0
-        out["dram_writeback_pinned"] = len(self._wb_pinned)
-        out["healthy"] = int(self.healthy)
+        out.update(self.gauges())
         return out
 
+    def gauges(self) -> dict[str, int]:
+        """Current values of :data:`MANAGER_GAUGES` (scheduler thread)."""
+        return {"healthy": int(self.healthy), "dram_slots": self.n_dram,
+                "dram_cached": self.dram.cached if self.dram is not None else 0,
+                "dram_writeback_pinned": len(self._wb_pinned),
+                "stores_in_flight": len(self._storing), "loads_in_flight": len(self._loading)}
+
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """Counter deltas since the last call (vLLM calls this only with stats logging on;
-        they become ``vllm:pykvcache_<name>`` Prometheus counters)."""
+        """Counter deltas since the last call and the gauges when any changed (vLLM calls
+        this only with stats logging on; they become ``vllm:pykvcache_<name>`` Prometheus
+        counters and gauges). None when nothing changed."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
             OffloadingConnectorStats,
         )
@@ -643,11 +660,18 @@ class PyKVCacheManager(OffloadingManager):
             if d:
                 delta[k] = d
                 self._reported[k] = v
-        if not delta:
+        gauges = self.gauges()
+        if gauges == self._reported_gauges:
+            gauges = {}
+        else:
+            self._reported_gauges = gauges
+        if not delta and not gauges:
             return None
         st = OffloadingConnectorStats()
         for k, d in delta.items():
             st.increase_counter(METRIC_PREFIX + k, d)
+        for k, g in gauges.items():
+            st.set_gauge(METRIC_PREFIX + k, g)
         return st
 
     def shutdown(self) -> None:

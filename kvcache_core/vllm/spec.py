@@ -15,6 +15,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingSpec,
@@ -23,7 +24,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ..config import ConfigError
-from .manager import MANAGER_COUNTERS, METRIC_PREFIX, WORKER_COUNTERS, PyKVCacheManager
+from .manager import (
+    MANAGER_COUNTERS,
+    MANAGER_GAUGES,
+    METRIC_PREFIX,
+    WORKER_COUNTERS,
+    PyKVCacheManager,
+)
 from .options import (
     check_block_size,
     ensure_hash_seed,
@@ -57,9 +64,13 @@ class PyKVCacheSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(
             cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        """Prometheus counters for :meth:`PyKVCacheManager.get_stats`."""
-        return {METRIC_PREFIX + k: OffloadingCounterMetadata(documentation=doc)
-                for k, doc in (*MANAGER_COUNTERS.items(), *WORKER_COUNTERS.items())}
+        """Prometheus counters and gauges for :meth:`PyKVCacheManager.get_stats`."""
+        defs: dict[str, OffloadingMetricMetadata] = {
+            METRIC_PREFIX + k: OffloadingCounterMetadata(documentation=doc)
+            for k, doc in (*MANAGER_COUNTERS.items(), *WORKER_COUNTERS.items())}
+        defs.update({METRIC_PREFIX + k: OffloadingGaugeMetadata(documentation=doc)
+                     for k, doc in MANAGER_GAUGES.items()})
+        return defs
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)

@@ -117,6 +117,11 @@ def test_scheduler_and_worker_specs_agree(tmp_path, vllm_available):
         PyKVCacheSpec(_offloading_config(0, 1, stock))  # vLLM's stock connector class
     defs = PyKVCacheSpec.build_metric_definitions(extra)
     assert "vllm:pykvcache_hits_disk" in defs and "vllm:pykvcache_files_corrupt" in defs
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+
+    assert isinstance(defs["vllm:pykvcache_healthy"], OffloadingGaugeMetadata)
+    assert isinstance(defs["vllm:pykvcache_dram_cached"], OffloadingGaugeMetadata)
+    assert isinstance(defs["vllm:pykvcache_ops_expired"], OffloadingCounterMetadata)
 
 
 # ------------------------------------------------------------------------ chunk mapping
@@ -572,7 +577,14 @@ def test_manager_slots_hits_and_failures(tmp_path, vllm_available):
     assert s["load_failures"] == 2 and s["chunks_failed"] == 1 and s["promotions"] == 2
     m.dram.check()
     st = m.get_stats()
-    assert st is not None and m.get_stats() is None  # deltas only
+    assert st is not None and m.get_stats() is None  # deltas only, gauges when changed
+    assert st._values["vllm:pykvcache_healthy"] == {(): 1}
+    g = m.gauges()
+    assert g["healthy"] == 1 and g["dram_cached"] == m.dram.cached
+    assert g["stores_in_flight"] == 0 and g["loads_in_flight"] == 0
+    m.prepare_store([key(77)], r1)  # a gauge moves: the next report carries it
+    st2 = m.get_stats()
+    assert st2 is not None and st2._values["vllm:pykvcache_stores_in_flight"] == {(): 1}
     m.reset_cache()
     assert m.lookup(k1, r1) == LookupResult.HIT  # disk stays; DRAM forgotten
     assert m.dram.cached == 0
