@@ -34,6 +34,7 @@ from .layout import (
     LayoutIndex,
     Namespace,
     round_up,
+    scan_dir,
 )
 
 #: name of a namespace directory: ``v<format version>-<16 hex digits of its digest>``
@@ -150,12 +151,7 @@ def iter_blocks(base: str, walk: Walk):
     in namespace directory ``base`` (like ``Layout._iter_files``: not following links).
     Temp files, links and odd entries are recorded in ``walk``; links and odd entries at
     the top level (``.usage``, ``.writers/*``) too."""
-    try:
-        with os.scandir(base) as it:
-            tops = sorted(it, key=lambda e: e.name)
-    except FileNotFoundError:
-        return
-    for top in tops:
+    for top in scan_dir(base, sort=True):
         if top.is_symlink():
             walk.links.append(top.path)
             continue
@@ -166,23 +162,13 @@ def iter_blocks(base: str, walk: Walk):
             continue
         if top.name.startswith(".") or not top.is_dir(follow_symlinks=False):
             continue
-        try:
-            with os.scandir(top.path) as it:
-                subs = sorted(it, key=lambda e: e.name)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for sub in subs:
+        for sub in scan_dir(top.path, sort=True):
             if sub.is_symlink():
                 walk.links.append(sub.path)
                 continue
             if not sub.is_dir(follow_symlinks=False):
                 continue
-            try:
-                with os.scandir(sub.path) as it:
-                    files = sorted(it, key=lambda e: e.name)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for e in files:
+            for e in scan_dir(sub.path, sort=True):
                 if e.is_symlink():
                     walk.links.append(e.path)
                 elif e.is_dir(follow_symlinks=False):

@@ -91,6 +91,20 @@ DEFAULT_DIR_MODE = 0o700
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def scan_dir(path: str, sort: bool = False) -> list[os.DirEntry]:
+    """Entries of directory ``path`` ([] when it vanished or is not a directory), sorted by
+    name if ``sort``. Callers never follow links: they test ``is_symlink()`` /
+    ``is_dir(follow_symlinks=False)`` on the entries."""
+    try:
+        with os.scandir(path) as it:
+            entries = list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    if sort:
+        entries.sort(key=lambda e: e.name)
+    return entries
+
+
 def round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
@@ -826,12 +840,7 @@ class Layout(LayoutIndex):
         """Yield os.DirEntry of every regular file (published and temp) in the namespace's
         shard directories. Never follows a symbolic link: a linked shard directory is not
         entered and a linked file not yielded (:meth:`_skip_link`)."""
-        try:
-            with os.scandir(self.base) as it:
-                tops = list(it)
-        except FileNotFoundError:
-            return
-        for top in tops:
+        for top in scan_dir(self.base):
             if top.name.startswith("."):
                 continue
             if top.is_symlink():
@@ -839,23 +848,13 @@ class Layout(LayoutIndex):
                 continue
             if not top.is_dir(follow_symlinks=False):
                 continue
-            try:
-                with os.scandir(top.path) as it:
-                    subs = list(it)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for sub in subs:
+            for sub in scan_dir(top.path):
                 if sub.is_symlink():
                     self._skip_link(sub.path)
                     continue
                 if not sub.is_dir(follow_symlinks=False):
                     continue
-                try:
-                    with os.scandir(sub.path) as it:
-                        files = list(it)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                for e in files:
+                for e in scan_dir(sub.path):
                     if e.is_file(follow_symlinks=False):
                         yield e
                     elif e.is_symlink():

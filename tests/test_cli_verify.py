@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import stat
 import subprocess
 import sys
 
-from helpers.kvutil import BLOCK, REPO, payload
+from helpers.kvutil import BLOCK, REPO, payload, tree_snapshot
 
 from kvcache_core.layout import HEADER_BYTES, Layout, Namespace
 
@@ -21,20 +20,6 @@ def kvcache(*args: str) -> subprocess.CompletedProcess:
                           env=dict(os.environ, PYTHONPATH=REPO))
 
 
-def listing(top: str) -> dict[str, tuple]:
-    """Every entry under ``top`` (links not followed): type, mode, size, mtime, content."""
-    out: dict[str, tuple] = {}
-    for dirpath, dirnames, filenames in os.walk(top):
-        for n in [*dirnames, *filenames, ""]:
-            p = os.path.join(dirpath, n) if n else dirpath
-            st = os.lstat(p)
-            data = None
-            if stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    data = f.read()
-            out[p] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_size,
-                      st.st_mtime_ns, data)
-    return out
 
 
 def fill(lay: Layout, prefix: str, n: int) -> list[bytes]:
@@ -59,7 +44,7 @@ def test_verify_reports_exactly_the_corrupt_and_truncated_blocks(root, ns, make_
     os.truncate(cut, HEADER_BYTES + 1000)  # truncated inside the payload
     lay.close()
     other.close()
-    before = listing(root)
+    before = tree_snapshot(root)
 
     out = str(tmp_path / "verify.json")
     p = kvcache("verify", root, "--json", out)
@@ -79,13 +64,13 @@ def test_verify_reports_exactly_the_corrupt_and_truncated_blocks(root, ns, make_
     assert rep["totals"]["corrupt"] == 2 and rep["totals"]["ok"] == 7
     assert f"corrupt: {flipped}" in p.stdout and f"corrupt: {cut}" in p.stdout
     # read-only: same files, sizes, modes, mtimes and contents (no lock, ledger, meta)
-    assert listing(root) == before
+    assert tree_snapshot(root) == before
 
     # one namespace only: the clean one exits 0
     p = kvcache("verify", "--quiet", "--namespace", other.ns.dirname(), root)
     assert p.returncode == 0, (p.stdout, p.stderr)
     assert "3 ok, 0 corrupt" in p.stdout and p.stderr == ""
-    assert listing(root) == before
+    assert tree_snapshot(root) == before
 
 
 def test_verify_flags_a_misplaced_file_and_reports_temps_and_links(root, ns, make_layout,
@@ -102,12 +87,12 @@ def test_verify_flags_a_misplaced_file_and_reports_temps_and_links(root, ns, mak
     (outside / "x").write_bytes(b"precious")
     os.symlink(outside, os.path.join(lay.base, "zz"))
     lay.close()
-    before, before_out = listing(root), listing(str(outside))
+    before, before_out = tree_snapshot(root), tree_snapshot(str(outside))
     p = kvcache("verify", root)
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "does not hash to the file name" in p.stdout, p.stdout
     assert f"temp file: {tmp}" in p.stdout and "1 symlinks skipped" in p.stdout
-    assert listing(root) == before and listing(str(outside)) == before_out
+    assert tree_snapshot(root) == before and tree_snapshot(str(outside)) == before_out
 
 
 def test_verify_usage_errors_and_progress(root, tmp_path):
@@ -149,23 +134,23 @@ def test_purge(root, ns, tmp_path):
     ext.close()
     link = os.path.join(root, "v1-00000000000000ff")
     os.symlink(ext.base, link)
-    before, before_out = listing(root), listing(str(outside))
+    before, before_out = tree_snapshot(root), tree_snapshot(str(outside))
 
     p = kvcache("purge", root, "--model", "llama", "--dry-run")
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("would remove") == 2 and "nothing deleted" in p.stdout
     assert models["a"].dirname() in p.stdout and models["c"].dirname() not in p.stdout
     assert "symbolic link" in p.stdout
-    assert listing(root) == before
+    assert tree_snapshot(root) == before
 
     p = kvcache("purge", root, "--model", "llama")  # no --yes
     assert p.returncode == 2 and "--yes" in p.stderr.strip().splitlines()[-1]
-    assert listing(root) == before
+    assert tree_snapshot(root) == before
 
     p = kvcache("purge", root, "--model", "llama", "--yes")
     assert p.returncode == 0, p.stderr
     assert sorted(os.listdir(root)) == sorted([models["c"].dirname(), "v1-00000000000000ff"])
-    assert os.path.islink(link) and listing(str(outside)) == before_out
+    assert os.path.islink(link) and tree_snapshot(str(outside)) == before_out
     assert "removed 2 namespaces" in p.stdout
 
     p = kvcache("purge", root, "--namespace", "v1-00000000000000ff", "--yes")
@@ -173,7 +158,7 @@ def test_purge(root, ns, tmp_path):
     p = kvcache("purge", root, "--all", "--yes")
     assert p.returncode == 0, p.stderr
     assert os.listdir(root) == ["v1-00000000000000ff"] and os.path.islink(link)
-    assert listing(str(outside)) == before_out
+    assert tree_snapshot(str(outside)) == before_out
 
 
 def test_purge_refuses_a_namespace_with_a_live_writer(root, ns, make_layout):
@@ -198,12 +183,12 @@ def test_inspect_leaves_the_root_unchanged(root, ns, tmp_path):
     open(os.path.join(lay.base, ".writers", "deadhost.1.0"), "wb").close()
     lay.close()
     os.unlink(os.path.join(lay.base, ".usage"))  # inspect must not recreate it
-    before = listing(root)
+    before = tree_snapshot(root)
     p = kvcache("inspect", root)
     assert p.returncode == 0, p.stderr
     (rep,) = json.loads(p.stdout)
     assert rep["files"] == 3 and rep["temp_files"] == 1 and rep["ledger_bytes"] is None
-    assert listing(root) == before
+    assert tree_snapshot(root) == before
 
 
 def test_bench_storage_refuses_a_missing_root_without_create(tmp_path):

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers.kvutil import BLOCK, REPO, finish, list_files, payload
+from helpers.kvutil import BLOCK, REPO, finish, list_files, payload, tree_snapshot
 
 import kvcache_core.io as kio
 from kvcache_core.config import ConfigError, StorageConfig, default_root_dir
@@ -252,20 +252,6 @@ def test_default_root_is_private_per_user(tmp_path, monkeypatch, ns, umask):
 # --------------------------------------------------------------------------- symlinks
 
 
-def snapshot(top: str) -> dict[str, tuple]:
-    """Everything under ``top`` (links not followed): type, mode, size, mtime, content."""
-    out: dict[str, tuple] = {}
-    for dirpath, dirnames, filenames in os.walk(top):
-        for n in [*dirnames, *filenames, ""]:
-            p = os.path.join(dirpath, n) if n else dirpath
-            st = os.lstat(p)
-            data = None
-            if stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    data = f.read()
-            out[p] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_size,
-                      st.st_mtime_ns, data)
-    return out
 
 
 def make_outside(tmp_path, ns: Namespace) -> str:
@@ -327,7 +313,7 @@ def test_eviction_and_gc_never_follow_symlinks(tmp_path, ns, root, make_layout, 
     first.close()
     links = plant_links(first.base, out)
     os.symlink(os.path.join(out, ns.dirname()), os.path.join(root, "v1-0123456789abcdef"))
-    before = snapshot(out)
+    before = tree_snapshot(out)
 
     # eviction: a tiny bound so that every write evicts (and rescans the namespace)
     lay = make_layout(max_disk_bytes=3 * ns.file_bytes)
@@ -344,7 +330,7 @@ def test_eviction_and_gc_never_follow_symlinks(tmp_path, ns, root, make_layout, 
     # the ledger and meta.json links were replaced by regular files, never written through
     for name in (".usage", "meta.json"):
         assert stat.S_ISREG(os.lstat(os.path.join(lay.base, name)).st_mode)
-    assert snapshot(out) == before
+    assert tree_snapshot(out) == before
     lay.close()
 
     # kvcache gc / inspect, real processes: links planted again, old temps collected
@@ -356,7 +342,7 @@ def test_eviction_and_gc_never_follow_symlinks(tmp_path, ns, root, make_layout, 
     assert p.returncode == 0, p.stderr
     assert "removed 0 temp files" in p.stdout, p.stdout
     assert "symbolic link" in p.stderr, p.stderr  # warned about (meta.json: ns skipped)
-    assert snapshot(out) == before
+    assert tree_snapshot(out) == before
     # meta.json is a link: the namespace was skipped as a whole, nothing replaced
     assert os.path.islink(os.path.join(lay.base, "meta.json"))
     os.unlink(os.path.join(lay.base, "meta.json"))
@@ -370,7 +356,7 @@ def test_eviction_and_gc_never_follow_symlinks(tmp_path, ns, root, make_layout, 
     report = json.loads(p.stdout)
     assert [r["namespace"] for r in report] == [ns.dirname()]  # not the linked namespace
     assert report[0]["symlinks_skipped"] >= 4 and report[0]["files"] <= 3
-    assert snapshot(out) == before
+    assert tree_snapshot(out) == before
     for link in links:  # skipped links stay where they were (only ours were replaced)
         if not link.endswith((".usage", "meta.json")):
             assert os.path.islink(link), link
@@ -382,12 +368,12 @@ def test_store_into_a_symlinked_shard_directory_fails(tmp_path, ns, make_layout)
     key = b"victim"
     h = lay.name_of(key)
     os.symlink(os.path.join(out, "ee"), os.path.join(lay.base, h[:2]))
-    before = snapshot(out)
+    before = tree_snapshot(out)
     with pytest.raises(OSError) as ei:
         lay.write_block(key, payload(key, BLOCK))
     assert ei.value.errno == errno.ELOOP
     assert lay.stats.symlinks_skipped == 1
-    assert snapshot(out) == before
+    assert tree_snapshot(out) == before
 
 
 def test_reactor_never_serves_a_block_through_a_symlink(tmp_path, ns, make_layout,

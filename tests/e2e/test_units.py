@@ -241,8 +241,10 @@ def test_split_rejects_inconsistent_specs(vllm_available):
 
 
 # ------------------------------------------------------------------------ worker
-@pytest.fixture
-def worker(tmp_path, vllm_available):
+def _make_worker(root, dram_files: int = 0, **storage):
+    """A real PyKVCacheWorker over two random int8 KV tensors (CPU), small pools, a DRAM
+    tier of ``dram_files`` slots; ``storage``: more StorageConfig keys. The tensors are
+    ``w.test_tensors``."""
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
         CanonicalKVCaches,
@@ -258,12 +260,19 @@ def worker(tmp_path, vllm_available):
     kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, page) for t in ts],
                            [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]])
     ns = Namespace("unit/model", "int8", 2 * 16, block_bytes=2 * page * bpc)
-    cfg = StorageConfig(root_dir=str(tmp_path), staging_bytes=4 * ns.file_bytes, io_depth=2,
-                        lookahead=2, copy_headroom=1, dram_cache_bytes=4 * ns.file_bytes)
+    cfg = StorageConfig(root_dir=str(root), staging_bytes=4 * ns.file_bytes, io_depth=2,
+                        lookahead=2, copy_headroom=1,
+                        dram_cache_bytes=dram_files * ns.file_bytes, **storage)
     w = PyKVCacheWorker(kv, storage=cfg, namespace=ns, pool=O.pool_geometry(cfg, ns),
                         blocks_per_chunk=bpc, max_disk_bytes=0)
     w.test_tensors = ts
     w.test_orig = [t.clone() for t in ts]
+    return w
+
+
+@pytest.fixture
+def worker(tmp_path, vllm_available):
+    w = _make_worker(tmp_path, dram_files=4)
     yield w
     w.shutdown()
 
@@ -703,27 +712,12 @@ def test_worker_watchdog_gives_up_a_stuck_reactor(tmp_path, vllm_available):
     reactor never writes the GPU blocks of the given-up job."""
     import threading
 
-    from vllm.v1.kv_offload.base import (
-        CanonicalKVCacheRef,
-        CanonicalKVCaches,
-        CanonicalKVCacheTensor,
-        GPULoadStoreSpec,
-    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     from kvcache_core.vllm.specs import PyKVLoadSpec, PyKVStoreSpec
-    from kvcache_core.vllm.worker import PyKVCacheWorker
 
-    page, nb, bpc = 4096, 32, 2
-    g = torch.Generator().manual_seed(0)
-    ts = [torch.randint(-128, 127, (nb, page), dtype=torch.int8, generator=g)
-          for _ in range(2)]
-    kv = CanonicalKVCaches([CanonicalKVCacheTensor(t, page) for t in ts],
-                           [[CanonicalKVCacheRef(0, page), CanonicalKVCacheRef(1, page)]])
-    ns = Namespace("unit/model", "int8", 2 * 16, block_bytes=2 * page * bpc)
-    cfg = StorageConfig(root_dir=str(tmp_path), staging_bytes=4 * ns.file_bytes, io_depth=2,
-                        lookahead=2, copy_headroom=1, io_timeout_s=0.25)
-    w = PyKVCacheWorker(kv, storage=cfg, namespace=ns, pool=O.pool_geometry(cfg, ns),
-                        blocks_per_chunk=bpc, max_disk_bytes=0)
+    w = _make_worker(tmp_path, io_timeout_s=0.25)
+    ts = w.test_tensors
     release = threading.Event()
     try:
         k1, k2 = key(1), key(2)

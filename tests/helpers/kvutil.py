@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import stat
 import sys
 import threading
 import time
@@ -58,6 +59,23 @@ def list_files(base: str) -> tuple[list[str], list[str]]:
             for e in os.scandir(sub.path):
                 (temps if e.name.startswith(TMP_PREFIX) else finals).append(e.path)
     return finals, temps
+
+
+def tree_snapshot(top: str) -> dict[str, tuple]:
+    """Every entry under ``top`` (links not followed): type, mode, size, mtime, content;
+    two equal snapshots mean nothing under ``top`` changed."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for n in [*dirnames, *filenames, ""]:
+            p = os.path.join(dirpath, n) if n else dirpath
+            st = os.lstat(p)
+            data = None
+            if stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    data = f.read()
+            out[p] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_size,
+                      st.st_mtime_ns, data)
+    return out
 
 
 def published_bytes(base: str) -> int:
