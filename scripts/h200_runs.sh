@@ -121,12 +121,36 @@ case "$STEP" in
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         .gpu/extra/*.whl
     fi
+    # PARALLEL=1: every configuration's server up at once (each with KVMEM bytes of GPU
+    # KV cache and GMU of --gpu-memory-utilization), rounds interleaved across them, round
+    # r replaying requests r*N.. of WORKLOAD (.gpu/sharegpt-llama3-6k.jsonl.gz holds 3 x
+    # 2,000). PROFILE=cfg,cfg runs those servers under py-spy (wheel in .gpu/extra);
+    # summaries in $RES/pyspy-<cfg>.txt.
+    PAR=()
+    if [ -n "${PARALLEL:-}" ]; then
+      PAR=(--parallel --kv-cache-memory-bytes "${KVMEM:-34359738368}"
+           --gpu-memory-utilization "${GMU:-0.3}")
+    fi
+    if [ -n "${PROFILE:-}" ]; then
+      PAR+=(--profile "$PROFILE" --py-spy /tmp/site/bin/py-spy --profile-rate 100)
+    fi
     python3 -m kvcache_core.bench.sharegpt run --model "configs/models/$M" \
       --workload "${WORKLOAD:-.gpu/sharegpt-llama3.jsonl.gz}" --root "$ROOT" \
       --json "$RES/sharegpt-$M.json" --machine "H200 (GPU machine)" --resume \
       --n "${N:-2000}" --rate "${RATE:-32}" --timeout "${TIMEOUT:-240}" \
-      --budget "${BUDGET:-420}" --rounds "${ROUNDS:-1}" \
-      --configs "${CONFIGS:-prefix_cache,kvcache_dram,native_cpu,kvcache_disk,native_fs}" ;;
+      --budget "${BUDGET:-420}" --rounds "${ROUNDS:-1}" "${PAR[@]}" \
+      --configs "${CONFIGS:-prefix_cache,kvcache_dram,native_cpu,kvcache_disk,native_fs}" \
+      || true
+    for f in "$ROOT"/work/*.pyspy.txt; do
+      [ -f "$f" ] || continue
+      c=$(basename "$f" .pyspy.txt)
+      python3 scripts/pyspy_report.py --rate 100 "$f" --json "$RES/pyspy-$c.json" \
+        > "$RES/pyspy-$c.txt" 2>&1 || true
+      python3 scripts/pyspy_report.py --rate 100 --only-stack busy_loop "$f" \
+        > "$RES/pyspy-$c-busy.txt" 2>&1 || true
+      gzip -c "$f" > "$RES/pyspy-$c.raw.gz" || true
+    done
+    cp "$ROOT"/work/*.log "$RES/" 2>/dev/null || true ;;
   scbench)
     # issue 10 item 3: SCBench-like multi-turn: 4 shared contexts of $TOKENS tokens visited
     # round-robin for 6 rounds (24 turns, round 0 stores), 4 turns in flight, the GPU KV

@@ -342,6 +342,23 @@ def test_combine_rounds_medians():
     assert "ttft_all" not in c["rounds"][0]
 
 
+def test_round_slices_disjoint_when_the_workload_holds_all_rounds():
+    reqs = [{"id": i} for i in range(10)]
+    parts = S.round_slices(reqs, 3, 3)
+    assert [[r["id"] for r in p] for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    # too few requests for disjoint rounds: the first n every round
+    again = S.round_slices(reqs, 4, 3)
+    assert all([r["id"] for r in p] == [0, 1, 2, 3] for p in again)
+
+
+def test_parallel_needs_a_fixed_gpu_kv_cache(tmp_path):
+    """--parallel without --kv-cache-memory-bytes: vLLM's memory profiling would size
+    each server's KV cache from what the others happen to hold while it starts."""
+    with pytest.raises(SystemExit, match="kv-cache-memory-bytes"):
+        S.main(["run", "--model", str(tmp_path), "--workload", str(tmp_path / "w.gz"),
+                "--configs", "prefix_cache", "--parallel"])
+
+
 def test_transfer_configs_share_one_cpu_budget(tmp_path):
     args = SimpleNamespace(root=str(tmp_path), staging_bytes=1 << 28, io_depth=8,
                            preload_lookahead=4, cpu_bytes=8 << 30, _max_disk_bytes=0)
@@ -366,7 +383,7 @@ def test_transfer_configs_share_one_cpu_budget(tmp_path):
         "max_disk_bytes"] == 10 << 30
     cmd = S.server_cmd(SimpleNamespace(port=1, _max_model_len=4096, gpu_memory_utilization=0.8,
                                        server_arg=["--max-num-seqs 8"], **vars(args)),
-                       "kvcache_dram", "/m", "m")
+                       "kvcache_dram", "/m", "m", 1)
     assert "--enable-prefix-caching" in cmd and cmd[-2:] == ["--max-num-seqs", "8"]
     ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert ktc["kv_connector_module_path"] == "kvcache_core.vllm"

@@ -597,9 +597,9 @@ def transfer_config(cfg: str, args) -> dict | None:
     return tc
 
 
-def server_cmd(args, cfg: str, model_dir: str, name: str) -> list[str]:
+def server_cmd(args, cfg: str, model_dir: str, name: str, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(args.port),
+           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
            "--load-format", "dummy", "--enforce-eager", "--enable-prefix-caching",
            "--max-model-len", str(args._max_model_len), "--seed", "0",
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
@@ -607,6 +607,8 @@ def server_cmd(args, cfg: str, model_dir: str, name: str) -> list[str]:
     tc = transfer_config(cfg, args)
     if tc is not None:
         cmd += ["--kv-transfer-config", json.dumps(tc)]
+    if getattr(args, "kv_cache_memory_bytes", 0):
+        cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     for a in args.server_arg or []:
         cmd += a.split()
     return cmd
@@ -748,71 +750,148 @@ class DiskJanitor:
                 log(f"fs janitor: {e}")
 
 
+class Server:
+    """One configuration's ``vllm serve`` in its own process group.
+
+    Lifecycle (one thread): :meth:`start` -> :meth:`wait_ready` -> :meth:`replay_round`
+    (any number of times) -> :meth:`stop` (always; idempotent). The configuration's cache
+    root is wiped before the start and after the stop; py-kvcache's counters go to
+    ``<work>/<cfg>.stats`` and each round reports the counters it added.
+    """
+
+    def __init__(self, args, cfg: str, model_dir: str, name: str, port: int) -> None:
+        self.args, self.cfg, self.model_dir, self.name, self.port = (
+            args, cfg, model_dir, name, port)
+        self.root = os.path.join(args.root, cfg)
+        self.stats = os.path.join(args.work, f"{cfg}.stats")
+        self.logf = os.path.join(args.work, f"{cfg}.log")
+        self.proc: subprocess.Popen | None = None
+        self.janitor: DiskJanitor | None = None
+        self.start_s: float | None = None
+        self.error: str | None = None
+        #: py-spy raw output of this server (``--profile``), else None
+        self.profile_out: str | None = None
+        self._t0 = 0.0
+        self._counters: dict = {}
+
+    def start(self) -> None:
+        """Launch the server (returns at once)."""
+        args = self.args
+        self._t0 = time.monotonic()
+        shutil.rmtree(self.root, ignore_errors=True)
+        for p in (self.stats, self.stats + ".workers.jsonl"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        if self.cfg.startswith("kvcache"):
+            env["KVCACHE_STATS_FILE"] = self.stats
+        if self.cfg == "native_fs" and args._max_disk_bytes:
+            self.janitor = DiskJanitor(self.root, args._max_disk_bytes)
+            self.janitor.start()
+        cmd = server_cmd(args, self.cfg, self.model_dir, self.name, self.port)
+        if self.cfg in (getattr(args, "profile", None) or ()):
+            # py-spy as the server's parent (allowed where ptrace is limited to
+            # descendants): samples every process of the server (API server, engine
+            # core) with thread names; written when it gets SIGINT in stop()
+            self.profile_out = os.path.join(args.work, f"{self.cfg}.pyspy.txt")
+            cmd = [args.py_spy, "record", "--nonblocking", "--subprocesses", "--threads",
+                   "--rate", str(args.profile_rate), "--format", "raw",
+                   "-o", self.profile_out, "--", *cmd]
+        with open(self.logf, "w") as lf:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> bool:
+        """Wait for /health, then warm up with two short requests. False (and
+        :attr:`error` set, the log's tail printed) when the server did not come up."""
+        assert self.proc is not None
+        why = wait_health(self.port, self.proc, deadline)
+        self.start_s = time.monotonic() - self._t0
+        if why is not None:
+            self.error = why
+            log(f"{self.cfg}: {why}; last lines of {self.logf}:\n{_tail(self.logf)}")
+            return False
+        log(f"{self.cfg}: server up in {self.start_s:.1f}s; warming up")
+        asyncio.run(_simple_requests(self.port, self.name, 2, seed=1000))
+        self._counters = read_counters(self.stats)
+        return True
+
+    def replay_round(self, rnd: int, reqs: list[dict], deadline: float) -> dict:
+        """Replay ``reqs`` (arrival seed ``--seed + rnd``); one result row with the
+        py-kvcache counters this round added."""
+        args, cfg = self.args, self.cfg
+        row: dict = {"config": cfg, "round": rnd, "server_start_s": self.start_s,
+                     "server_log": self.logf}
+        if self.error is not None:
+            row["error"] = self.error
+            return row
+        assert self.proc is not None
+        log(f"{cfg}: replaying {len(reqs)} requests at {args.rate} req/s")
+        recs, wall = asyncio.run(replay(self.port, self.name, reqs, args.rate,
+                                        args.seed + rnd, deadline, tag=f"{cfg}:"))
+        row.update(summarize(recs, wall))
+        if row["n_errors"]:
+            log(f"{cfg}: {row['n_errors']} failed requests, e.g. {row['errors_sample']}")
+        if self.proc.poll() is not None:
+            self.error = f"server exited with code {self.proc.returncode} during the replay"
+            row["error"] = self.error
+            log(f"{cfg}: {self.error}; last lines of {self.logf}:\n{_tail(self.logf)}")
+        elif cfg.startswith("kvcache"):
+            time.sleep(args.settle)  # stores of the last steps finish ...
+            asyncio.run(_simple_requests(self.port, self.name, 2, seed=2000))  # ... report
+            time.sleep(0.5)
+        c = read_counters(self.stats)
+        if c:
+            delta = {k: v - self._counters.get(k, 0) for k, v in c.items()
+                     if isinstance(v, (int, float))}
+            self._counters = c
+            row.update({k: delta[k] for k in COUNTERS if k in delta})
+            row["cache_stats"] = {k: v for k, v in delta.items() if v}
+        log(f"{cfg}: mean TTFT {_f(row.get('mean_ttft_s'))}s, median "
+            f"{_f(row.get('median_ttft_s'))}s, p90 {_f(row.get('p90_ttft_s'))}s, "
+            f"{_f(row.get('throughput_rps'), 1)} req/s, errors {row['n_errors']}"
+            + (f", stores {row.get('stores')}, dropped "
+               f"{row.get('stores_dropped_backpressure')}" if c else ""))
+        return row
+
+    def stop(self) -> dict:
+        """Kill the process group, stop the janitor, wipe the cache root. Returns the
+        cleanup figures for the result row."""
+        out: dict = {}
+        if self.proc is not None and self.profile_out:
+            # py-spy writes its samples on SIGINT; then the group is killed as usual
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+            out["profile"] = self.profile_out
+        if self.proc is not None:
+            out["shm_files_removed"] = kill_group(self.proc)
+            self.proc = None
+        if self.janitor is not None:
+            self.janitor.stop()
+            out["fs_janitor_deleted_files"] = self.janitor.deleted_files
+            out["fs_janitor_deleted_bytes"] = self.janitor.deleted_bytes
+            self.janitor = None
+        shutil.rmtree(self.root, ignore_errors=True)
+        return out
+
+
 def run_config(args, cfg: str, rnd: int, reqs: list[dict], model_dir: str,
                name: str) -> dict:
     """One server start, warm-up, replay and counters of configuration ``cfg``."""
     t_start = time.monotonic()
     deadline = t_start + args.timeout
-    root = os.path.join(args.root, cfg)
-    shutil.rmtree(root, ignore_errors=True)
-    stats = os.path.join(args.work, f"{cfg}.stats")
-    for p in (stats, stats + ".workers.jsonl"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(p)
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    if cfg.startswith("kvcache"):
-        env["KVCACHE_STATS_FILE"] = stats
-    logf = os.path.join(args.work, f"{cfg}.r{rnd}.log")
-    cmd = server_cmd(args, cfg, model_dir, name)
+    srv = Server(args, cfg, model_dir, name, args.port)
     row: dict = {"config": cfg, "round": rnd}
-    janitor = None
-    if cfg == "native_fs" and args._max_disk_bytes:
-        janitor = DiskJanitor(root, args._max_disk_bytes)
-        janitor.start()
-    with open(logf, "w") as lf:
-        proc = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        why = wait_health(args.port, proc, deadline)
-        row["server_start_s"] = time.monotonic() - t_start
-        if why is not None:
-            log(f"{cfg}: {why}; last lines of {logf}:\n{_tail(logf)}")
-            row.update(error=why, server_log=logf)
-            return row
-        log(f"{cfg}: server up in {row['server_start_s']:.1f}s; warming up")
-        asyncio.run(_simple_requests(args.port, name, 2, seed=1000))
-        log(f"{cfg}: replaying {len(reqs)} requests at {args.rate} req/s")
-        recs, wall = asyncio.run(replay(args.port, name, reqs, args.rate, args.seed,
-                                        deadline, tag=f"{cfg}:"))
-        row.update(summarize(recs, wall))
-        if row["n_errors"]:
-            log(f"{cfg}: {row['n_errors']} failed requests, e.g. {row['errors_sample']}")
-        if proc.poll() is not None:
-            row["error"] = f"server exited with code {proc.returncode} during the replay"
-            log(f"{cfg}: {row['error']}; last lines of {logf}:\n{_tail(logf)}")
-        elif cfg.startswith("kvcache"):
-            time.sleep(args.settle)  # stores of the last steps finish ...
-            asyncio.run(_simple_requests(args.port, name, 2, seed=2000))  # ... and report
-            time.sleep(0.5)
-        c = read_counters(stats)
-        if c:
-            row.update({k: c[k] for k in COUNTERS if k in c})
-            row["cache_stats"] = {k: v for k, v in c.items()
-                                  if isinstance(v, (int, float)) and v}
-        log(f"{cfg}: mean TTFT {_f(row.get('mean_ttft_s'))}s, median "
-            f"{_f(row.get('median_ttft_s'))}s, p90 {_f(row.get('p90_ttft_s'))}s, "
-            f"{_f(row.get('throughput_rps'), 1)} req/s, errors {row['n_errors']}"
-            + (f", stores {c.get('stores')}, dropped {c.get('stores_dropped_backpressure')}"
-               if c else ""))
+        srv.start()
+        srv.wait_ready(deadline)
+        row = srv.replay_round(rnd, reqs, deadline)
         return row
     finally:
-        row["shm_files_removed"] = kill_group(proc)
-        if janitor is not None:
-            janitor.stop()
-            row["fs_janitor_deleted_files"] = janitor.deleted_files
-            row["fs_janitor_deleted_bytes"] = janitor.deleted_bytes
-        shutil.rmtree(root, ignore_errors=True)
+        row.update(srv.stop())
         row["config_wall_s"] = time.monotonic() - t_start
 
 
@@ -997,7 +1076,11 @@ def cmd_run(args) -> int:
             raise SystemExit(f"kvcache_dram_gate needs a break-even table: {args.gate_table} "
                              "not found (--gate-table)")
         args.gate_table = os.path.abspath(args.gate_table)
-    reqs = read_workload(args.workload, args.n or None)
+    n = args.n or None
+    if args.parallel and not args.kv_cache_memory_bytes:
+        raise SystemExit("--parallel needs --kv-cache-memory-bytes (the same GPU KV cache "
+                         "for every server)")
+    reqs = read_workload(args.workload, n * args.rounds if n and args.parallel else n)
     if not reqs:
         raise SystemExit(f"no requests in {args.workload}")
     with open(os.path.join(args.model, "config.json")) as f:
@@ -1013,8 +1096,10 @@ def cmd_run(args) -> int:
     name = os.path.basename(os.path.normpath(args.model))
     model_dir = prepare_model_dir(args.model, args.work)
     wl = _disk_budget(args, reqs, configs)
+    slices = (round_slices(reqs, args.n or len(reqs) // max(1, args.rounds), args.rounds)
+              if args.parallel else [reqs] * args.rounds)
     out = {"machine": args.machine or _gpu_name(), "model": name, "rate": args.rate,
-           "n_requests": len(reqs), "workload": os.path.basename(args.workload),
+           "n_requests": len(slices[0]), "workload": os.path.basename(args.workload),
            "seed": args.seed, "rounds": args.rounds, "cpu_bytes": args.cpu_bytes,
            "staging_bytes": args.staging_bytes, "max_model_len": args._max_model_len,
            "workload_stats": wl, "results": []}
@@ -1023,7 +1108,7 @@ def cmd_run(args) -> int:
         with open(args.json) as f:
             prev = json.load(f)
         if (prev.get("n_requests"), prev.get("rate"), prev.get("model")) == (
-                len(reqs), args.rate, name):
+                len(slices[0]), args.rate, name):
             old = prev.get("results", [])
             done = {r["config"] for r in old if "error" not in r}
             skipped = [c for c in configs if c in done]
@@ -1034,9 +1119,6 @@ def cmd_run(args) -> int:
         else:
             log(f"resume: {args.json} is another run (model, n or rate differ); replacing it")
     per_cfg: dict[str, list[dict]] = {c: [] for c in configs}
-    plan = [(rnd, c) for rnd in range(args.rounds) for c in configs]  # interleaved
-    t_begin = time.monotonic()
-    longest = 0.0
 
     def publish() -> None:
         rows = old + [combine_rounds(per_cfg[c]) for c in configs if per_cfg[c]]
@@ -1044,6 +1126,28 @@ def cmd_run(args) -> int:
         out["results"] = sorted(rows, key=lambda r: order.get(r["config"], 99))
         save(args, out)
 
+    if args.parallel:
+        out["parallel"] = True
+        out["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+        run_parallel(args, configs, slices, model_dir, name, per_cfg, publish)
+    else:
+        run_sequential(args, configs, reqs, model_dir, name, per_cfg, publish)
+    publish()
+    if args.json:
+        log(f"wrote {args.json} (+ .md, .png)")
+    for r in out["results"]:
+        print(json.dumps({k: v for k, v in r.items()
+                          if k not in ("ttft_all", "rounds", "cache_stats")}))
+    return 0
+
+
+def run_sequential(args, configs: list[str], reqs: list[dict], model_dir: str, name: str,
+                   per_cfg: dict[str, list[dict]], publish: Callable[[], None]) -> None:
+    """One server per (round, configuration), rounds interleaved (A,B,C,A,B,C...), every
+    round replays the same ``reqs`` on a fresh server."""
+    plan = [(rnd, c) for rnd in range(args.rounds) for c in configs]  # interleaved
+    t_begin = time.monotonic()
+    longest = 0.0
     for k, (rnd, cfg) in enumerate(plan, 1):
         elapsed = time.monotonic() - t_begin
         if args.budget and elapsed + max(longest, 1.0) > args.budget:
@@ -1056,13 +1160,56 @@ def cmd_run(args) -> int:
         per_cfg[cfg].append(run_config(args, cfg, rnd, reqs, model_dir, name))
         longest = max(longest, time.monotonic() - t0)
         publish()
-    publish()
-    if args.json:
-        log(f"wrote {args.json} (+ .md, .png)")
-    for r in out["results"]:
-        print(json.dumps({k: v for k, v in r.items()
-                          if k not in ("ttft_all", "rounds", "cache_stats")}))
-    return 0
+
+
+def round_slices(reqs: list[dict], n: int, rounds: int) -> list[list[dict]]:
+    """The requests of each round of a parallel run: consecutive, disjoint slices of
+    ``n`` requests when the workload holds ``n * rounds`` (a server that keeps running
+    sees new traffic each round, as a production server would: conversations continue
+    across the slice boundary); else the first ``n`` every round (then later rounds
+    also hit what earlier rounds cached: logged)."""
+    if len(reqs) >= n * rounds:
+        return [reqs[r * n:(r + 1) * n] for r in range(rounds)]
+    if rounds > 1:
+        log(f"the workload holds {len(reqs)} requests, fewer than {n} x {rounds} rounds: "
+            "every round replays the same requests on servers that cached the earlier ones")
+    return [reqs[:n]] * rounds
+
+
+def run_parallel(args, configs: list[str], slices: list[list[dict]], model_dir: str, name: str,
+                 per_cfg: dict[str, list[dict]], publish: Callable[[], None]) -> None:
+    """All configurations' servers up at once (ports ``--port`` + i, the same fixed GPU
+    KV cache of ``--kv-cache-memory-bytes`` each, so concurrent start-up cannot skew
+    vLLM's memory profiling), then rounds interleaved across them (A,B,C,A,B,C...): only
+    one server serves at a time, the others idle. Saves the server starts of the
+    sequential mode (30-110 s each on the H200) so more rounds fit in one call; round r
+    replays ``slices[r]`` (:func:`round_slices`)."""
+    servers = [Server(args, c, model_dir, name, args.port + i) for i, c in enumerate(configs)]
+    t_begin = time.monotonic()
+    try:
+        for s in servers:
+            s.start()
+        deadline = time.monotonic() + args.timeout
+        for s in servers:
+            s.wait_ready(deadline)
+        longest = 0.0
+        for rnd, part in enumerate(slices):
+            elapsed = time.monotonic() - t_begin
+            if args.budget and rnd and elapsed + longest > args.budget:
+                log(f"budget of {args.budget:.0f}s: stopping after {rnd} rounds")
+                break
+            t0 = time.monotonic()
+            for k, s in enumerate(servers, 1):
+                log(f"round {rnd + 1}/{len(slices)} [{k}/{len(servers)}] {s.cfg}")
+                per_cfg[s.cfg].append(
+                    s.replay_round(rnd, part, time.monotonic() + args.timeout))
+                publish()
+            longest = time.monotonic() - t0
+    finally:
+        for s in servers:
+            cleanup = s.stop()
+            if per_cfg[s.cfg]:
+                per_cfg[s.cfg][-1].update(cleanup)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1144,7 +1291,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "from the model's KV bytes per token) would not fit, else unbounded; "
                    "0 = unbounded")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.85,
-                   help="vLLM --gpu-memory-utilization")
+                   help="vLLM --gpu-memory-utilization (with --parallel: the share each "
+                   "server may take, e.g. 0.3 for three servers on one GPU)")
+    r.add_argument("--parallel", action="store_true",
+                   help="start every configuration's server at once and interleave the "
+                   "rounds across the running servers (one serves at a time); round r "
+                   "replays requests r*N..(r+1)*N-1 of the workload when it holds N x "
+                   "--rounds requests (prepare with --n N*rounds). Needs "
+                   "--kv-cache-memory-bytes")
+    r.add_argument("--profile", type=lambda v: [c for c in v.split(",") if c], default=[],
+                   metavar="CFG[,CFG]",
+                   help="run these configurations' servers under py-spy (sampling "
+                   "profiler, every process and thread): <root>/work/<cfg>.pyspy.txt "
+                   "(raw flamegraph lines); summarise with scripts/pyspy_report.py")
+    r.add_argument("--py-spy", default="py-spy", help="py-spy executable for --profile")
+    r.add_argument("--profile-rate", type=int, default=200,
+                   help="py-spy samples per second (--profile)")
+    r.add_argument("--kv-cache-memory-bytes", type=int, default=0,
+                   help="vLLM --kv-cache-memory-bytes of every server (0 = vLLM sizes it "
+                   "from --gpu-memory-utilization; required with --parallel: the same GPU "
+                   "KV cache for every configuration whatever the others hold)")
     r.add_argument("--settle", type=float, default=1.0,
                    help="seconds to wait after the replay before reading the py-kvcache "
                    "counters (the last stores finish)")
