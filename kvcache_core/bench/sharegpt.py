@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gzip
 import json
 import math
@@ -750,6 +751,24 @@ class DiskJanitor:
                 log(f"fs janitor: {e}")
 
 
+@functools.cache
+def py_spy_works(exe: str) -> bool:
+    """Whether ``exe`` can sample a child process here (ptrace may be forbidden); logged
+    once. A server is then started without the profiler rather than not at all."""
+    try:
+        p = subprocess.run([exe, "record", "--nonblocking", "--duration", "1", "--format",
+                            "raw", "-o", os.devnull, "--", sys.executable, "-c",
+                            "import time; time.sleep(1.5)"],
+                           capture_output=True, text=True, timeout=30)
+        ok = p.returncode == 0
+        why = (p.stderr or p.stdout).strip()[-300:]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        ok, why = False, str(e)
+    if not ok:
+        log(f"py-spy ({exe}) cannot sample here, --profile is off: {why}")
+    return ok
+
+
 class Server:
     """One configuration's ``vllm serve`` in its own process group.
 
@@ -790,7 +809,7 @@ class Server:
             self.janitor = DiskJanitor(self.root, args._max_disk_bytes)
             self.janitor.start()
         cmd = server_cmd(args, self.cfg, self.model_dir, self.name, self.port)
-        if self.cfg in (getattr(args, "profile", None) or ()):
+        if self.cfg in (getattr(args, "profile", None) or ()) and py_spy_works(args.py_spy):
             # py-spy as the server's parent (allowed where ptrace is limited to
             # descendants): samples every process of the server (API server, engine
             # core) with thread names; written when it gets SIGINT in stop()
