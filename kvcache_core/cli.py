@@ -285,6 +285,10 @@ def _cmd_patch_vllm(args: argparse.Namespace) -> int:
     from . import patching
 
     try:
+        vllm_v, series_v = patching.chosen_series(args.target, args.vllm_version)
+        if patching.version_key(vllm_v) != patching.version_key(series_v):
+            print(f"kvcache patch-vllm: vLLM {vllm_v}: using series v{series_v} (the newest "
+                  "series not newer than it; see docs/patch-compat.md)", file=sys.stderr)
         if args.check:
             states = patching.check_series(args.target, args.vllm_version)
         elif args.reverse:
@@ -524,8 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
         "patch-vllm", help="apply / check / reverse the vLLM preload patches",
         description="Apply py-kvcache's patch series (vllm_patches/v<version>/series) to a vLLM "
         "checkout, a site-packages directory holding vllm/, or the vllm package directory. "
-        "Idempotent and all-or-nothing; another vLLM version is refused. Exit status with "
-        "--check: 0 all applied, 1 not (fully) applied, 2 error.")
+        "The series is the one for the detected vLLM version, else the newest older one "
+        "(0.27.1 -> v0.26.0); a version older than every series is refused. Idempotent and "
+        "all-or-nothing (no fuzz). Exit status with --check: 0 all applied, 1 not (fully) "
+        "applied, 2 error.")
     pv.add_argument("--target", required=True, help="vLLM checkout or installed package dir")
     g = pv.add_mutually_exclusive_group()
     g.add_argument("--check", action="store_true", help="report the state, change nothing")

@@ -26,14 +26,53 @@ Contracts:
   wins there too (:meth:`Layout.publish`). ``"auto"`` picks rename on FUSE mounts.
 * Lookup is an existence check (``access``), no open.
 * ``max_disk_bytes`` bounds the published bytes of the namespace across all processes that
-  share it (ledger in ``.usage`` under ``flock``). Beyond it, least-recently-used files
-  (mtime; a read hit touches the file) are unlinked. Unlinking is safe for a reader that
-  already holds the file open.
+  share it (ledger in ``.usage`` under ``flock``). The bound is exact: every publish checks
+  ``ledger + size <= max_disk_bytes`` under the ledger lock (link/rename + add in the same
+  critical section), so the published bytes never exceed it, whatever the number of
+  processes, as long as they all use the same ``max_disk_bytes``. Temp files being
+  written are not counted (at most the writers' in-flight writes, each one block). A
+  store that cannot be made to fit is dropped and counted (``dropped_over_capacity``: a
+  block larger than the bound; ``dropped_full``: no eviction candidate freed enough room
+  within one bounded batch), never waited for. See "Eviction" below.
 * Temp files of crashed writers are collected when a process opens the layout: every
   writer holds an exclusive ``flock`` on ``.writers/<host>.<pid>``; an entry whose lock can
   be taken belongs to a dead writer, whose temp files are removed.
 * A :class:`Layout` is used by one thread at a time for mutations (the reactor thread);
-  :meth:`Layout.exists` and :meth:`Layout.path_for` may be called from any thread.
+  :meth:`Layout.exists` and :meth:`Layout.path_for` may be called from any thread. With
+  ``max_disk_bytes`` a Layout also runs its own daemon thread, the evictor (below), which
+  shares only the candidate heap (own lock) and the ledger (its lock) with the caller's
+  thread; :meth:`Layout.close` stops and joins it.
+
+Eviction (global LRU with shared recency):
+
+* Recency is the file's mtime, shared by every process: a publish sets it, every read hit
+  sets it to now (:meth:`Layout.touch`, ``utime`` without following links), whichever
+  process reads. Eviction removes the files of smallest mtime first, whoever published
+  them.
+* Each Layout keeps an in-memory min-heap of candidates ``(mtime, path)``, rebuilt by
+  :meth:`Layout.scan`: a ``scandir`` + ``lstat`` walk of the namespace WITHOUT the ledger
+  lock (publishers of other processes are never held up by it), run at construction and
+  then only on the evictor thread: every ``rescan_interval_s`` while the ledger is above
+  75% of the bound, and soon (at most every ``MIN_RESCAN_GAP_S``) after an eviction found
+  the heap empty or holding only files newer than the last scan (i.e. no longer a global
+  order: files other processes published since are not in it). Files this Layout
+  publishes are pushed on the heap at once. ``stats.rescans`` counts the walks.
+* Unlinking takes the ledger lock for one batch of at most :data:`EVICT_BATCH` candidates:
+  each is popped, ``lstat``-ed (never followed; a link, directory or vanished entry is
+  skipped) and its mtime re-checked: a file touched since it was queued is pushed back
+  with its new mtime instead (lazy re-ordering: a popped file whose mtime still matches
+  is the least recent of all candidates), else unlinked and its ``lstat`` size subtracted
+  from the ledger. Temp files (``.tmp.*``) are never candidates: a live writer's temp
+  is never unlinked by eviction.
+* Hot path: :meth:`Layout.reserve` reads the ledger; only when the block does not fit it
+  runs ONE such batch (down to 90% of the bound minus the block); it never walks the
+  namespace. The evictor thread also evicts in the background (batches, the lock released
+  between them) when the ledger passes 95% of the bound, down to 90%.
+* A walk under the ledger lock (:meth:`Layout.resync`: ledger := bytes on disk) runs only
+  when the ledger cannot be trusted: a replaced ``.usage``, a dead writer's collection,
+  or on the evictor thread when the ledger stays over the target with no candidate left
+  on disk (a writer killed between link and ledger update, a rename double count).
+* Unlinking is safe for a reader that already holds the file open.
 
 Trust model (docs/security.md):
 
@@ -65,6 +104,7 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 import xxhash
@@ -89,6 +129,20 @@ TMP_PREFIX = ".tmp."
 DEFAULT_DIR_MODE = 0o700
 #: flags of every open of a namespace file: never through a symbolic link
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+#: most eviction candidates examined (lstat, then unlink or requeue) by one batch: bounds
+#: the work of a reserve or publish on the hot path and each hold of the ledger lock
+EVICT_BATCH = 32
+#: eviction brings the ledger down to this fraction of ``max_disk_bytes`` (a reserve:
+#: minus the block it makes room for)
+LOW_WATER = 0.90
+#: the evictor thread starts evicting in the background above this fraction
+HIGH_WATER = 0.95
+#: periodic candidate scans run only while the ledger is above this fraction
+SCAN_WATER = 0.75
+#: default period of the evictor's candidate scans (``Layout(rescan_interval_s=...)``)
+RESCAN_INTERVAL_S = 2.0
+#: shortest time between two candidate scans of one Layout (requested ones included)
+MIN_RESCAN_GAP_S = 0.2
 
 
 def scan_dir(path: str, sort: bool = False) -> list[os.DirEntry]:
@@ -112,6 +166,12 @@ def round_up(n: int, a: int = ALIGN) -> int:
 class LayoutError(OSError):
     """The root directory cannot be used (missing parent, unwritable, not a directory,
     owned by another user, a symbolic link where a namespace directory belongs)."""
+
+
+class CapacityExceeded(OSError):
+    """A publish found the namespace full (``max_disk_bytes``) and could not evict enough
+    within one bounded batch: the store is dropped (``errno`` EDQUOT, the temp file is
+    already removed). Counted in ``LayoutStats.dropped_full``."""
 
 
 class CorruptBlock(Exception):
@@ -389,6 +449,11 @@ class Ledger:
     def get(self) -> int:
         return self.add(0)
 
+    def peek(self) -> int:
+        """The ledger read WITHOUT the lock (one 8-byte ``pread``): a hint for the
+        evictor's decisions, never a base for an update."""
+        return self._read()
+
     def close(self) -> None:
         os.close(self._fd)
 
@@ -403,6 +468,14 @@ class LayoutStats:
     dropped_over_capacity: int = 0
     unlink_errors: int = 0  # files that could not be removed (EACCES, EIO...): skipped
     symlinks_skipped: int = 0  # distinct symbolic links found in the namespace, never followed
+    #: stores dropped because the bound was reached and one eviction batch did not free
+    #: enough room (no candidate ready: a rescan was requested); never waited for
+    dropped_full: int = 0
+    #: full walks of the namespace by this Layout: candidate scans (evictor thread and
+    #: construction), ledger resyncs and dead-writer collections. Never on a reserve.
+    rescans: int = 0
+    #: files evicted by the evictor thread in the background (part of evicted_files)
+    evicted_background: int = 0
 
 
 class LayoutIndex:
@@ -500,7 +573,32 @@ class LayoutIndex:
             self._base_fd = -1
 
 
+def _evictor_main(ref: weakref.ReferenceType, wake: threading.Event) -> None:
+    """Body of a Layout's evictor thread (daemon). Holds only a weak reference between
+    passes, so an unclosed Layout can still be collected. Sleeps on ``wake``: a rescan
+    request or :meth:`Layout.close` sets it. Its work is syscalls (scandir, lstat,
+    unlink, flock) that release the GIL; an exception is logged, never kills it."""
+    while True:
+        lay = ref()
+        if lay is None or lay._evictor_stop:
+            return
+        timeout = lay._evictor_timeout()
+        del lay
+        wake.wait(timeout)
+        wake.clear()
+        lay = ref()
+        if lay is None or lay._evictor_stop:
+            return
+        try:
+            lay._evictor_pass()
+        except Exception:  # keep evicting later; a bug here must not stop the cache
+            log.exception("py-kvcache: evictor pass failed in %s", lay.base)
+        del lay
+
+
 _instances = itertools.count()
+#: guards the one-warning-per-link bookkeeping (caller's and evictor threads)
+_LINK_LOCK = threading.Lock()
 
 
 class Layout(LayoutIndex):
@@ -509,8 +607,14 @@ class Layout(LayoutIndex):
     def __init__(self, root: str, ns: Namespace, *, max_disk_bytes: int = 0,
                  durable: bool = False, collect: bool = True,
                  dir_mode: int = DEFAULT_DIR_MODE, file_mode: int = DEFAULT_FILE_MODE,
-                 allow_foreign_root: bool = False, publish_method: str = "link") -> None:
+                 allow_foreign_root: bool = False, publish_method: str = "link",
+                 rescan_interval_s: float = RESCAN_INTERVAL_S) -> None:
         """Open (creating what is missing) namespace ``ns`` under ``root``.
+
+        ``max_disk_bytes`` > 0 bounds the namespace's published bytes (module docstring,
+        "Eviction"): the candidates are scanned once here, and a daemon evictor thread is
+        started (stopped by :meth:`close`) that rescans them every ``rescan_interval_s``
+        while the namespace is nearly full, and evicts in the background.
 
         ``publish_method``: ``"link"`` (hard link, the default), ``"rename"`` (existence
         check + rename under the ledger lock; for distributed filesystems whose hard links
@@ -574,13 +678,33 @@ class Layout(LayoutIndex):
                                            self.file_mode, umask)
         fcntl.flock(self._writer_fd, fcntl.LOCK_EX)
         self._tmp_counter = itertools.count()
-        self._lru: list[tuple[float, str]] = []  # heap of (mtime, path) eviction candidates
         self._made_dirs: set[str] = set()
+        # Eviction candidates: heap of (mtime, path), guarded by _cand_lock (the evictor
+        # thread swaps in a new scan; the caller's thread pops and pushes). Lock order:
+        # the ledger lock, then _cand_lock; never the other way round.
+        self._lru: list[tuple[float, str]] = []
+        self._cand_lock = threading.Lock()
+        self._recent: list[tuple[float, str]] = []  # own publishes while a scan runs
+        self._scanning = False
+        self._scan_wall = 0.0  # time.time() when the last scan started
+        self._scan_mono = -1e9  # time.monotonic() when the last scan ended
+        self._sole_writer = False  # the last scan saw no other writer of the namespace
+        self._scan_wanted = False
+        self.rescan_interval_s = float(rescan_interval_s)
+        self._evictor: threading.Thread | None = None
+        self._evictor_stop = False
+        self._wake = threading.Event()
         if self.ledger.replaced:  # its count is lost: resync from the files on disk
-            with self.ledger.locked():
-                self.ledger.set(self.scan()[1])
+            self.resync()
         if collect:
             self.collect_dead_writers()
+        if max_disk_bytes:
+            if not self.ledger.replaced:
+                self.scan()
+            self._evictor = threading.Thread(
+                target=_evictor_main, args=(weakref.ref(self), self._wake),
+                name=f"kvcache-evictor-{self._tag}", daemon=True)
+            self._evictor.start()
 
     def _write_meta(self) -> None:
         """Write ``meta.json`` unless a regular one exists: through a private temp file
@@ -616,10 +740,11 @@ class Layout(LayoutIndex):
     def _skip_link(self, path: str) -> None:
         """Note a symbolic link found where a cache directory or file belongs: counted and
         warned about once per path; the caller never follows it."""
-        if path in self._warned_links:
-            return
-        self._warned_links.add(path)
-        self.stats.symlinks_skipped += 1
+        with _LINK_LOCK:  # the evictor thread walks the namespace too
+            if path in self._warned_links:
+                return
+            self._warned_links.add(path)
+            self.stats.symlinks_skipped += 1
         log.warning("py-kvcache: %s is a symbolic link where a cache file or directory "
                     "belongs; skipped (symbolic links in the cache root are never followed)",
                     path)
@@ -719,33 +844,74 @@ class Layout(LayoutIndex):
 
     # ------------------------------------------------------------------ publish
     def reserve(self, nbytes: int) -> bool:
-        """Make room for ``nbytes`` under ``max_disk_bytes`` (evicting LRU files).
+        """Make room for ``nbytes`` under ``max_disk_bytes`` before a store is written.
 
-        Returns False when the bound cannot hold the block at all (store dropped).
+        Hot path (reactor thread): reads the ledger; only when the block does not fit,
+        runs ONE eviction batch (at most :data:`EVICT_BATCH` candidates, under the ledger
+        lock) toward 90% of the bound minus the block. Never walks the namespace (a rescan
+        it needs is requested from the evictor thread) and never waits for room.
+
+        Returns False when the store must be dropped: the block is larger than the bound
+        (``dropped_over_capacity``) or the batch did not free enough room
+        (``dropped_full``). True is not a reservation: :meth:`publish` checks the bound
+        again under the lock (another process may have filled the room meanwhile).
         """
-        if not self.max_disk_bytes:
+        m = self.max_disk_bytes
+        if not m:
             return True
-        if nbytes > self.max_disk_bytes:
+        if nbytes > m:
             self.stats.dropped_over_capacity += 1
             return False
-        used = self.ledger.get()
-        if used + nbytes <= self.max_disk_bytes:
+        if self.ledger.get() + nbytes <= m:
             return True
-        target = max(0, int(self.max_disk_bytes * 0.9) - nbytes)
-        self._evict_to(target)
-        return True
+        with self.ledger.locked():
+            used = self._evict_locked(max(0, int(m * LOW_WATER) - nbytes), EVICT_BATCH)
+        if used + nbytes <= m:
+            return True
+        self.stats.dropped_full += 1
+        return False
+
+    def _admit_locked(self, final: str, nbytes: int) -> bool:
+        """Under the ledger lock, just before a publish: whether ``nbytes`` more fit the
+        bound, after at most one eviction batch. True as well when ``final`` already
+        exists (the publish will count ``publish_existing``, adding nothing)."""
+        m = self.max_disk_bytes
+        if not m or self.ledger.get() + nbytes <= m or os.path.lexists(final):
+            return True
+        return self._evict_locked(max(0, m - nbytes), EVICT_BATCH) + nbytes <= m
+
+    def _drop_full(self, tmp: str, nbytes: int) -> None:
+        self.stats.dropped_full += 1
+        self.discard(tmp)
+        raise CapacityExceeded(errno.EDQUOT, f"py-kvcache: namespace full ({nbytes} bytes "
+                               f"do not fit max_disk_bytes={self.max_disk_bytes})", tmp)
+
+    def _push_candidate(self, final: str) -> None:
+        """A file this Layout just published becomes an eviction candidate at once."""
+        item = (time.time(), final)
+        with self._cand_lock:
+            heapq.heappush(self._lru, item)
+            if self._scanning:  # the scan being built may have missed it: keep it
+                self._recent.append(item)
 
     def publish(self, tmp: str, final: str, nbytes: int) -> bool:
         """Atomically publish ``tmp`` as ``final``. The temp name is always removed.
 
         Returns True if this call published the file, False if ``final`` already existed
         (identical content by construction; counted in ``publish_existing``).
+
+        With ``max_disk_bytes``, the bound is checked under the ledger lock together with
+        the link/rename and the ledger update (one eviction batch at most): when the block
+        does not fit, the temp is removed and :class:`CapacityExceeded` (an OSError,
+        EDQUOT) is raised: the store is dropped, counted in ``dropped_full``.
         """
         if self._chmod_tmp:  # the temp was created DEFAULT_FILE_MODE (engine default)
             os.chmod(tmp, self.file_mode)
         if self.publish_method == "rename":
             return self._publish_rename(tmp, final, nbytes)
-        with self.ledger.locked():  # link + add atomic w.r.t. rescans of other processes
+        with self.ledger.locked():  # check + link + add atomic w.r.t. other processes
+            if not self._admit_locked(final, nbytes):
+                self._drop_full(tmp, nbytes)
             try:
                 os.link(tmp, final)
             except FileExistsError:
@@ -756,7 +922,7 @@ class Layout(LayoutIndex):
         os.unlink(tmp)
         self.stats.published += 1
         if self.max_disk_bytes:
-            heapq.heappush(self._lru, (time.time(), final))
+            self._push_candidate(final)
         return True
 
     def _publish_rename(self, tmp: str, final: str, nbytes: int) -> bool:
@@ -778,20 +944,22 @@ class Layout(LayoutIndex):
         and the namespace, the header carries the key and the payload's checksum), so the
         replacement is the identical block, and a reader that already opened the first
         inode keeps reading a complete, valid file. Only the byte ledger can count such a
-        block twice (over-count, never under-count): the next rescan (eviction with an
-        empty candidate heap, a dead writer's collection, or a reopened ``.usage``) sets it
-        back to the bytes on disk.
+        block twice (over-count, never under-count): the next :meth:`resync` (the evictor
+        finding the ledger over target with no candidate left, a dead writer's collection,
+        or a reopened ``.usage``) sets it back to the bytes on disk.
         """
         with self.ledger.locked():
             if os.path.lexists(final):
                 self.stats.publish_existing += 1
                 self.discard(tmp)
                 return False
+            if not self._admit_locked(final, nbytes):
+                self._drop_full(tmp, nbytes)
             os.rename(tmp, final)
             self.ledger.add(nbytes)
         self.stats.published += 1
         if self.max_disk_bytes:
-            heapq.heappush(self._lru, (time.time(), final))
+            self._push_candidate(final)
         return True
 
     def discard(self, tmp: str) -> None:
@@ -861,52 +1029,95 @@ class Layout(LayoutIndex):
                         self._skip_link(e.path)
 
     def scan(self) -> tuple[int, int]:
-        """Rebuild the eviction candidates from disk; returns (files, bytes) published."""
+        """Rebuild the eviction candidates from disk; returns (files, bytes) published.
+
+        A ``scandir`` + ``lstat`` walk WITHOUT the ledger lock (other processes keep
+        publishing and evicting meanwhile: the result is a snapshot, used only to order
+        candidates, never to set the ledger; :meth:`resync` does that under the lock).
+        Temp files are not candidates; links are never followed. Files this Layout
+        publishes during the walk are kept. Runs at construction and on the evictor
+        thread, or from tools; never from :meth:`reserve`. Counted in ``stats.rescans``.
+        """
+        started = time.time()
+        with self._cand_lock:
+            self._scanning = True
         lru: list[tuple[float, str]] = []
         total = 0
-        for e in self._iter_files():
-            if e.name.startswith(TMP_PREFIX):
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            lru.append((st.st_mtime, e.path))
-            total += st.st_size
-        heapq.heapify(lru)
-        self._lru = lru
-        return len(lru), total
+        try:
+            for e in self._iter_files():
+                if e.name.startswith(TMP_PREFIX):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                lru.append((st.st_mtime, e.path))
+                total += st.st_size
+            n = len(lru)
+            writers = len(scan_dir(os.path.join(self.base, ".writers")))
+            heapq.heapify(lru)
+        finally:
+            with self._cand_lock:
+                self._scanning = False
+                recent, self._recent = self._recent, []
+        with self._cand_lock:
+            for item in recent:
+                heapq.heappush(lru, item)
+            self._lru = lru
+            self._scan_wall = started
+            self._sole_writer = writers <= 1
+        self._scan_mono = time.monotonic()
+        self.stats.rescans += 1
+        return n, total
+
+    def resync(self) -> int:
+        """Set the ledger to the bytes of the published files on disk and rebuild the
+        candidates: a walk UNDER the ledger lock (every publisher and evictor of the
+        namespace waits for it). For a ledger that cannot be trusted (replaced
+        ``.usage``, evictor finding it over target with nothing left to evict, tools);
+        never called from :meth:`reserve`. Returns the bytes found."""
+        with self.ledger.locked():
+            total = self.scan()[1]
+            self.ledger.set(total)
+        return total
 
     def _evict_to(self, target: int) -> None:
-        with self.ledger.locked():  # walk + set and unlink + subtract stay exact
-            self._evict_locked(target)
+        """Evict (batches, the ledger lock released between them) until the ledger is at
+        most ``target`` or no candidate is left. Evictor thread or tools."""
+        while True:
+            with self.ledger.locked():
+                used = self._evict_locked(target, EVICT_BATCH)
+            if used <= target or not self._lru or self._evictor_stop:
+                return
 
-    def _evict_locked(self, target: int) -> None:
-        rescanned = False
-        while self.ledger.get() > target:
-            if not self._lru:
-                if rescanned:
-                    # Files are gone (another process evicted) but the ledger disagrees.
-                    _, total = self.scan()
-                    self.ledger.set(total)
-                    if total <= target or not self._lru:
-                        return
-                else:
-                    _, total = self.scan()
-                    self.ledger.set(total)
-                    rescanned = True
-                    continue
-            mtime, path = heapq.heappop(self._lru)
+    def _evict_locked(self, target: int, limit: int) -> int:
+        """Under the ledger lock: pop at most ``limit`` candidates, least recent first,
+        unlinking each whose mtime did not change since it was queued (a touched one is
+        pushed back with its new mtime), until the ledger is at most ``target``. Returns
+        the ledger. Requests a rescan when the heap runs out of globally ordered
+        candidates."""
+        used = self.ledger.get()
+        lru, lock = self._lru, self._cand_lock
+        examined = 0
+        while used > target and examined < limit:
+            with lock:
+                if lru is not self._lru:  # the evictor swapped in a new scan
+                    lru = self._lru
+                if not lru:
+                    break
+                mtime, path = heapq.heappop(lru)
+            examined += 1
             try:
                 st = os.lstat(path)
-            except FileNotFoundError:
+            except FileNotFoundError:  # evicted or removed by another process
                 continue
             if not stat.S_ISREG(st.st_mode):  # replaced by a link since the scan: never ours
                 if stat.S_ISLNK(st.st_mode):
                     self._skip_link(path)
                 continue
             if st.st_mtime > mtime + 1e-6:  # touched since: requeue with its new age
-                heapq.heappush(self._lru, (st.st_mtime, path))
+                with lock:
+                    heapq.heappush(self._lru, (st.st_mtime, path))
                 continue
             try:
                 os.unlink(path)
@@ -917,9 +1128,53 @@ class Layout(LayoutIndex):
                 log.warning("py-kvcache: eviction cannot remove %s: %s", path,
                             e.strerror or e)
                 continue
-            self.ledger.add(-st.st_size)
+            used = self.ledger.add(-st.st_size)
             self.stats.evicted_files += 1
             self.stats.evicted_bytes += st.st_size
+            if threading.current_thread() is self._evictor:
+                self.stats.evicted_background += 1
+        if examined and not self._scan_wanted and self._evictor is not None:
+            with lock:
+                lru = self._lru
+                low = not lru or (not self._sole_writer and lru[0][0] >= self._scan_wall)
+            if low:  # no global order left: the evictor rescans (never this thread)
+                self._scan_wanted = True
+                self._wake.set()
+        return used
+
+    # ------------------------------------------------------------------ evictor thread
+    def _evictor_timeout(self) -> float:
+        """Seconds the evictor sleeps before its next pass (a wanted rescan: until the
+        minimum gap since the last scan has passed)."""
+        if self._scan_wanted:
+            return max(0.0, self._scan_mono + MIN_RESCAN_GAP_S - time.monotonic())
+        return self.rescan_interval_s
+
+    def _evictor_pass(self) -> None:
+        """One pass of the evictor thread: a candidate scan when one was requested or is
+        due (ledger above 75% of the bound and the last one older than
+        ``rescan_interval_s``), then background eviction above 95% down to 90%, and a
+        ledger :meth:`resync` when it stays over that target with no candidate left."""
+        m = self.max_disk_bytes
+        used = self.ledger.peek()
+        now = time.monotonic()
+        due = self._scan_wanted or (used >= SCAN_WATER * m
+                                    and now - self._scan_mono >= self.rescan_interval_s)
+        scanned = False
+        if due and now - self._scan_mono >= MIN_RESCAN_GAP_S:
+            self._scan_wanted = False
+            self.scan()
+            scanned = True
+        if used > HIGH_WATER * m:
+            target = int(LOW_WATER * m)
+            self._evict_to(target)
+            if self._evictor_stop:
+                return
+            if not self._lru and self.ledger.peek() > target:
+                if not scanned:  # make sure the heap is empty because the disk is
+                    self.scan()
+                if not self._lru and self.ledger.peek() > target:
+                    self.resync()
 
     # ------------------------------------------------------------------ crash recovery
     def collect_dead_writers(self) -> int:
@@ -963,6 +1218,7 @@ class Layout(LayoutIndex):
     def _collect_locked(self, prefixes: tuple[str, ...]) -> int:
         removed = 0
         total = 0
+        self.stats.rescans += 1
         for e in self._iter_files():
             if e.name.startswith(TMP_PREFIX):
                 if e.name.startswith(prefixes):
@@ -996,11 +1252,25 @@ class Layout(LayoutIndex):
         self.stats.temp_collected += removed
         return removed
 
+    def _stop_evictor(self, timeout: float = 30.0) -> None:
+        t = self._evictor
+        if t is None:
+            return
+        self._evictor_stop = True
+        self._wake.set()
+        if t is not threading.current_thread():
+            t.join(timeout)
+            if t.is_alive():  # a walk stuck on a hung filesystem: it is a daemon
+                log.warning("py-kvcache: evictor thread of %s did not stop within %.0f s",
+                            self.base, timeout)
+        self._evictor = None
+
     # ------------------------------------------------------------------ simple sync API
     def write_block(self, key: bytes, payload: bytes | memoryview) -> bool:
         """Synchronous store (tests, tools): header + payload, atomic publish.
 
-        Returns True if published, False if it existed or did not fit the bound.
+        Returns True if published, False if it existed or did not fit the bound
+        (``dropped_over_capacity`` / ``dropped_full``).
         """
         if self.exists(key):
             return False
@@ -1022,7 +1292,10 @@ class Layout(LayoutIndex):
             self.discard(tmp)
             raise
         os.close(fd)
-        return self.publish(tmp, final, n)
+        try:
+            return self.publish(tmp, final, n)
+        except CapacityExceeded:  # counted in dropped_full; the temp is gone
+            return False
 
     def read_block(self, key: bytes, verify: bool = True) -> bytes | None:
         """Synchronous load: payload bytes, or None on a miss or a corrupt file (removed)."""
@@ -1048,7 +1321,10 @@ class Layout(LayoutIndex):
         return bytes(mv[HEADER_BYTES: HEADER_BYTES + n])
 
     def close(self) -> None:
-        """Release the writer lock (a clean exit leaves no entry in ``.writers``)."""
+        """Stop and join the evictor thread (it finishes at most its current batch or
+        scan), then release the writer lock (a clean exit leaves no entry in
+        ``.writers``). Call from the owner's thread, once the reactor is closed."""
+        self._stop_evictor()
         if self._writer_fd >= 0:
             try:
                 os.unlink(self._writer_lock_path)

@@ -7,9 +7,16 @@ site-packages directory, or the ``vllm`` package directory itself. The series fo
 Patches are unified diffs with ``a/``/``b/`` prefixes applied with GNU ``patch -p1 -F0``
 (no fuzz: a context line that changed is a conflict, never a silent guess).
 
+Series selection (:func:`select_series`): the series whose version equals the target
+vLLM version, else the highest series below it ("floor"): vLLM 0.27.1 gets the v0.26.0
+series, 0.32.0 and 0.33.0 get v0.32.0. A release between two series gets the older one
+and is only ever patched if every patch applies exactly (``-F0``); docs/patch-compat.md
+(``make patch-rebase``) records which releases each series really applies to. A version
+below the oldest series is refused with a message naming the shipped series.
+
 Contract: :func:`apply_series` is idempotent (already applied patches are skipped) and
 all-or-nothing (every patch is dry-run first; on any conflict nothing is changed); a
-vLLM version without a series is refused with a clear message.
+vLLM version older than every series is refused with a clear message.
 """
 
 from __future__ import annotations
@@ -37,17 +44,60 @@ class PatchState:
 
 
 def series_dir(version: str) -> str:
+    """Directory of the series for vLLM ``version`` (``vllm_patches/v<version>``)."""
     return os.path.join(PATCH_ROOT, f"v{version}")
 
 
+def version_key(version: str) -> tuple[tuple[int, ...], int, str]:
+    """Sort key of a vLLM version string (PEP 440 subset, no dependency on ``packaging``).
+
+    ``0.27.1`` -> ``((0, 27, 1), 1, "")``. Trailing zero components are dropped
+    (``0.26`` == ``0.26.0``); a local part (``+cpu``, ``+cu128``) is ignored; a pre-release
+    or dev build (``0.32.0rc1``, ``0.32.0.dev3``) sorts before its final release, a
+    ``.postN`` after it. Raises :class:`PatchError` for a string that does not start with
+    a number.
+    """
+    v = version.strip().lower().lstrip("v").split("+", 1)[0]
+    m = re.match(r"(\d+(?:\.\d+)*)(.*)$", v)
+    if not m:
+        raise PatchError(f"{version!r} is not a vLLM version")
+    rel = [int(x) for x in m.group(1).split(".")]
+    while len(rel) > 1 and rel[-1] == 0:
+        rel.pop()
+    rest = m.group(2).lstrip(".-_")
+    phase = 0 if re.match(r"(a|b|c|rc|alpha|beta|pre|preview|dev)", rest) else 1
+    return tuple(rel), phase, rest
+
+
 def supported_versions() -> list[str]:
+    """Versions that have a series directory, oldest first."""
     if not os.path.isdir(PATCH_ROOT):
         return []
-    return sorted(d[1:] for d in os.listdir(PATCH_ROOT)
-                  if d.startswith("v") and os.path.isfile(os.path.join(PATCH_ROOT, d, "series")))
+    return sorted((d[1:] for d in os.listdir(PATCH_ROOT)
+                   if d.startswith("v") and os.path.isfile(os.path.join(PATCH_ROOT, d, "series"))),
+                  key=version_key)
+
+
+def select_series(version: str, available: list[str] | None = None) -> str:
+    """The series version to use for vLLM ``version``.
+
+    The exact match if there is one, else the highest series older than ``version``.
+    ``available`` defaults to :func:`supported_versions`. Raises :class:`PatchError`
+    naming the shipped series when ``version`` is older than all of them.
+    """
+    series = supported_versions() if available is None else list(available)
+    key = version_key(version)
+    below = [s for s in series if version_key(s) <= key]
+    if not below:
+        raise PatchError(
+            f"vLLM {version} is not supported: py-kvcache ships patch series for "
+            f"{', '.join(series) or 'no version'} only (a series covers its own release "
+            "and newer ones). See docs/patch-compat.md.")
+    return max(below, key=version_key)
 
 
 def read_series(version: str) -> list[str]:
+    """Absolute paths of the patches of series ``version``, in application order."""
     path = os.path.join(series_dir(version), "series")
     with open(path) as f:
         names = [ln.split("#", 1)[0].strip() for ln in f]
@@ -101,16 +151,31 @@ def patch_state(root: str, patch: str) -> PatchState:
 
 
 def _check_version(root: str, version: str | None) -> str:
+    """Series version for the tree at ``root`` (see :func:`select_series`)."""
     v = version or detect_version(root)
-    if v not in supported_versions():
+    try:
+        return select_series(v)
+    except PatchError:
         raise PatchError(
             f"vLLM {v} at {root} is not supported: py-kvcache ships patches for "
-            f"{', '.join(supported_versions()) or 'no version'} only. See docs/patch-compat.md "
-            "(`make patch-rebase`) for how the series fares on newer releases.")
-    return v
+            f"{', '.join(supported_versions()) or 'no version'} only (a series covers its "
+            "own release and newer ones). See docs/patch-compat.md (`make patch-rebase`) "
+            "for how each series fares on newer releases.") from None
+
+
+def chosen_series(target: str, version: str | None = None) -> tuple[str, str]:
+    """``(vllm_version, series_version)`` that patching ``target`` would use.
+
+    ``version`` overrides the detected vLLM version. Raises :class:`PatchError` like
+    :func:`apply_series` (no vLLM tree, unknown version, version older than every series).
+    """
+    root = resolve_target(target)
+    v = version or detect_version(root)
+    return v, _check_version(root, v)
 
 
 def check_series(target: str, version: str | None = None) -> list[PatchState]:
+    """State of every patch of the selected series on ``target``; changes nothing."""
     root = resolve_target(target)
     v = _check_version(root, version)
     return [patch_state(root, p) for p in read_series(v)]
@@ -124,7 +189,11 @@ def apply_series(target: str, version: str | None = None) -> list[PatchState]:
     states = [patch_state(root, p) for p in patches]
     bad = [s for s in states if s.state == "conflict"]
     if bad:
-        raise PatchError("patch does not apply cleanly, nothing changed: " + "; ".join(
+        tv = version or detect_version(root)
+        where = "" if version_key(tv) == version_key(v) else (
+            f"series v{v} (the newest one not newer than vLLM {tv}; see "
+            "docs/patch-compat.md): ")
+        raise PatchError(where + "patch does not apply cleanly, nothing changed: " + "; ".join(
             f"{s.name}: {s.detail}" for s in bad))
     for p, s in zip(patches, states, strict=False):
         if s.state == "not-applied":

@@ -124,15 +124,20 @@ case "$STEP" in
     # PARALLEL=1: every configuration's server up at once (each with KVMEM bytes of GPU
     # KV cache and GMU of --gpu-memory-utilization), rounds interleaved across them, round
     # r replaying requests r*N.. of WORKLOAD (.gpu/sharegpt-llama3-6k.jsonl.gz holds 3 x
-    # 2,000). PROFILE=cfg,cfg runs those servers under py-spy (wheel in .gpu/extra);
-    # summaries in $RES/pyspy-<cfg>.txt.
+    # 2,000). PROFILE=cfg,cfg runs those servers under py-spy (wheel in .gpu/extra;
+    # PROFILE_IDLE=1 also samples waiting threads); summaries in $RES/pyspy-<cfg>.txt.
     PAR=()
     if [ -n "${PARALLEL:-}" ]; then
       PAR=(--parallel --kv-cache-memory-bytes "${KVMEM:-34359738368}"
            --gpu-memory-utilization "${GMU:-0.3}")
     fi
     if [ -n "${PROFILE:-}" ]; then
-      PAR+=(--profile "$PROFILE" --py-spy /tmp/site/bin/py-spy --profile-rate 100)
+      # py-spy from its wheel in .gpu/extra (pip --target does not install its binary)
+      W=$(ls .gpu/extra/py_spy-*.whl | head -1)
+      python3 -m zipfile -e "$W" /tmp/pyspyw
+      PYSPY=$(find /tmp/pyspyw -name py-spy -type f | head -1); chmod +x "$PYSPY"
+      PAR+=(--profile "$PROFILE" --py-spy "$PYSPY" --profile-rate 100)
+      if [ -n "${PROFILE_IDLE:-}" ]; then PAR+=(--profile-idle); fi
     fi
     python3 -m kvcache_core.bench.sharegpt run --model "configs/models/$M" \
       --workload "${WORKLOAD:-.gpu/sharegpt-llama3.jsonl.gz}" --root "$ROOT" \

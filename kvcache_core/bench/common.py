@@ -49,3 +49,25 @@ def save_loglog(fig: Any, ax: Any, ylabel: str, title: str, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def read_stats_file(path: str, since: float | None = None, timeout: float = 2.0
+                    ) -> dict[str, Any]:
+    """The scheduler's counters from ``$KVCACHE_STATS_FILE`` (``{}`` when absent or
+    unreadable). The file is written by a background thread shortly after each engine
+    step (``kvcache_core.vllm.manager``); with ``since`` (``time.time()`` taken after
+    the step whose counters are wanted) this waits up to ``timeout`` seconds for a
+    write at or after it."""
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            fresh = since is None or os.stat(path).st_mtime >= since
+            if fresh or time.monotonic() >= end:
+                with open(path) as f:
+                    return json.load(f)
+        except (OSError, ValueError):
+            if time.monotonic() >= end:
+                return {}
+        time.sleep(0.01)

@@ -82,7 +82,7 @@ import sys
 import time
 
 from . import scbench as SC
-from .common import save_loglog
+from .common import read_stats_file, save_loglog
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL_CONFIGS = ["recompute", "native_cpu", "native_fs", "kvcache_disk", "kvcache_dram",
@@ -177,16 +177,16 @@ STORE_COUNTERS = ("stores", "stores_dram", "stores_no_dram_slot", "stores_skippe
 async def _stats_snapshot(engine, rid: str) -> dict:
     """The scheduler's counters (``$KVCACHE_STATS_FILE``) after one tiny request: the
     workers' counters reach the scheduler with an engine step's metadata, so the step
-    of that request brings everything that happened before it."""
+    of that request brings everything that happened before it (the file is written in
+    the background right after a step: read once it was written after the request
+    was sent)."""
     path = os.environ.get("KVCACHE_STATS_FILE")
     if not path:
         return {}
+    t0 = time.time()  # the exporter writes after each step: wait for one after t0
     await _ttft(engine, docs_for(16, 1, 4242)[0], rid)
-    with contextlib.suppress(OSError, ValueError):
-        with open(path) as f:
-            d = json.load(f)
-        return {k: d.get(k, 0) for k in STORE_COUNTERS}
-    return {}
+    d = read_stats_file(path, since=t0)
+    return {k: d.get(k, 0) for k in STORE_COUNTERS} if d else {}
 
 
 def _store_counter_deltas(rows: list[dict]) -> list[dict | None]:

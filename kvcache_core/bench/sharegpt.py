@@ -690,13 +690,12 @@ def _tail(path: str, n: int = 25) -> str:
         return ""
 
 
-def read_counters(path: str) -> dict:
-    """py-kvcache's counters from $KVCACHE_STATS_FILE ({} when absent)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
+def read_counters(path: str, since: float | None = None) -> dict:
+    """py-kvcache's counters from $KVCACHE_STATS_FILE ({} when absent); ``since``: a
+    write at or after that ``time.time()`` (waited for briefly)."""
+    from .common import read_stats_file
+
+    return read_stats_file(path, since, timeout=2.0 if since is not None else 0.0)
 
 
 class DiskJanitor:
@@ -815,6 +814,7 @@ class Server:
             # core) with thread names; written when it gets SIGINT in stop()
             self.profile_out = os.path.join(args.work, f"{self.cfg}.pyspy.txt")
             cmd = [args.py_spy, "record", "--nonblocking", "--subprocesses", "--threads",
+                   *(["--idle"] if args.profile_idle else []),
                    "--rate", str(args.profile_rate), "--format", "raw",
                    "-o", self.profile_out, "--", *cmd]
         with open(self.logf, "w") as lf:
@@ -832,8 +832,10 @@ class Server:
             log(f"{self.cfg}: {why}; last lines of {self.logf}:\n{_tail(self.logf)}")
             return False
         log(f"{self.cfg}: server up in {self.start_s:.1f}s; warming up")
+        t0 = time.time()
         asyncio.run(_simple_requests(self.port, self.name, 2, seed=1000))
-        self._counters = read_counters(self.stats)
+        if self.cfg.startswith("kvcache"):
+            self._counters = read_counters(self.stats, since=t0)
         return True
 
     def replay_round(self, rnd: int, reqs: list[dict], deadline: float) -> dict:
@@ -856,11 +858,12 @@ class Server:
             self.error = f"server exited with code {self.proc.returncode} during the replay"
             row["error"] = self.error
             log(f"{cfg}: {self.error}; last lines of {self.logf}:\n{_tail(self.logf)}")
-        elif cfg.startswith("kvcache"):
+        since = None
+        if self.proc.poll() is None and cfg.startswith("kvcache"):
             time.sleep(args.settle)  # stores of the last steps finish ...
+            since = time.time()
             asyncio.run(_simple_requests(self.port, self.name, 2, seed=2000))  # ... report
-            time.sleep(0.5)
-        c = read_counters(self.stats)
+        c = read_counters(self.stats, since)
         if c:
             delta = {k: v - self._counters.get(k, 0) for k, v in c.items()
                      if isinstance(v, (int, float))}
@@ -1326,6 +1329,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--py-spy", default="py-spy", help="py-spy executable for --profile")
     r.add_argument("--profile-rate", type=int, default=200,
                    help="py-spy samples per second (--profile)")
+    r.add_argument("--profile-idle", action="store_true",
+                   help="also sample threads that wait (py-spy --idle): where the engine "
+                   "thread blocks (GIL, locks, syscalls), not only where it computes")
     r.add_argument("--kv-cache-memory-bytes", type=int, default=0,
                    help="vLLM --kv-cache-memory-bytes of every server (0 = vLLM sizes it "
                    "from --gpu-memory-utilization; required with --parallel: the same GPU "

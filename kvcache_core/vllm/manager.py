@@ -41,6 +41,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -161,6 +162,57 @@ STAGED_MAX = 65536
 BAD_KEYS_MAX = 65536
 
 
+#: shortest gap between two writes of ``$KVCACHE_STATS_FILE`` (benchmarks, ``make run``)
+STATS_EXPORT_GAP_S = 0.02
+
+
+class _StatsExporter:
+    """Writes a counters snapshot to ``path`` (JSON, atomically replaced) from a daemon
+    thread soon after each :meth:`kick` (coalesced; at most one write per
+    ``STATS_EXPORT_GAP_S``), so that the engine thread never touches the filesystem for
+    it. :meth:`kick` may be called from any thread (an ``Event.set``). ``snapshot`` runs
+    on the exporter thread: it must only copy (dict copies and ``len`` reads are atomic
+    under the GIL while the scheduler thread mutates the dicts). :meth:`close` (any
+    thread) has the thread write the last snapshot and stop, and returns after that."""
+
+    def __init__(self, path: str, snapshot: Callable[[], dict[str, int]]) -> None:
+        self.path, self.snapshot = path, snapshot
+        self._kick = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="kvcache-stats",
+                                        daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    def _write(self) -> None:
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            snap = self.snapshot()
+            with open(tmp, "w") as f:
+                json.dump(snap, f)
+            os.replace(tmp, self.path)
+        except (OSError, RuntimeError) as e:  # RuntimeError: a dict resized mid-copy
+            log.debug("py-kvcache: cannot write stats file %s: %s", self.path, e)
+
+    def _loop(self) -> None:
+        while True:
+            self._kick.wait()
+            self._kick.clear()
+            self._write()
+            if self._stop:
+                return
+            time.sleep(STATS_EXPORT_GAP_S)
+
+    def close(self) -> None:
+        self._stop = True
+        self._kick.set()
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # stuck in the filesystem: try once more here
+            self._write()
+
+
 class PyKVCacheManager(OffloadingManager):
     """The DRAM-tier index and disk lookups (scheduler thread only; see module doc)."""
 
@@ -204,6 +256,7 @@ class PyKVCacheManager(OffloadingManager):
         # keys being stored without a file (short request): nothing will be written
         self._dram_only: set[OffloadKey] = set()
         self._events_on = enable_events
+        self._exporter: _StatsExporter | None = None
         self._events: list[OffloadingEvent] = []
         # keys whose load failed -> until when they are treated as a miss (bounded)
         self._bad: collections.OrderedDict[OffloadKey, float] = collections.OrderedDict()
@@ -496,6 +549,7 @@ class PyKVCacheManager(OffloadingManager):
         for slot in pinned:
             assert self.dram is not None
             self.dram.unpin(slot)
+        self._maybe_export()
         return PrepareStoreOutput(keys_to_store=to_store,
                                   store_spec=PyKVStoreSpec(to_store, slots, no_disk=not disk),
                                   evicted_keys=evicted)
@@ -593,8 +647,7 @@ class PyKVCacheManager(OffloadingManager):
                       "prefix from now on (lookups miss, nothing is stored)")
         for name, v in counters.items():
             self.counters[name] += v
-        if counters or failed_keys:
-            self._maybe_export()
+        self._maybe_export()
 
     def _on_written(self, written: Mapping[bytes, int]) -> None:
         """Count the ranks that finished writing each key; unpin its DRAM slot once all
@@ -618,18 +671,18 @@ class PyKVCacheManager(OffloadingManager):
                 dram.unpin(slot)
 
     def _maybe_export(self) -> None:
-        """Write the counters to ``$KVCACHE_STATS_FILE`` (JSON, atomically replaced) after
-        every worker report; used by ``make run`` and the benchmarks (unset: no-op)."""
-        path = os.environ.get("KVCACHE_STATS_FILE")
-        if not path:
-            return
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self.stats(), f)
-            os.replace(tmp, path)
-        except OSError as e:
-            log.debug("py-kvcache: cannot write stats file %s: %s", path, e)
+        """Mark the counters for ``$KVCACHE_STATS_FILE`` (used by ``make run`` and the
+        benchmarks; unset: no-op). Scheduler thread. The file is written by a daemon
+        thread (:class:`_StatsExporter`, right after this call), never here:
+        a file create + rename on vLLM's engine thread can wait for the filesystem's
+        journal while the reactor writes KV files to the same disk. Readers that need
+        the counters of a step wait for the file's mtime to pass it."""
+        if self._exporter is None:
+            path = os.environ.get("KVCACHE_STATS_FILE")
+            if not path:
+                return
+            self._exporter = _StatsExporter(path, self.stats)
+        self._exporter.kick()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:
@@ -676,6 +729,8 @@ class PyKVCacheManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self._maybe_export()
+        if self._exporter is not None:
+            self._exporter.close()  # the final counters are written before returning
         s = self.stats()
         log.info("py-kvcache: scheduler stats: %s",
                  " ".join(f"{k}={v}" for k, v in s.items() if v))

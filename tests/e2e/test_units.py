@@ -4,6 +4,7 @@ copy/store/load/failure paths through a real reactor, the manager's slot bookkee
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import time
@@ -494,6 +495,42 @@ def test_manager_recompute_only_after_a_dead_reactor(tmp_path, vllm_available):
     assert m.lookup(key(1), r) == LookupResult.MISS
     assert m.prepare_store([key(2)], r).keys_to_store == []
     assert m.stats()["healthy"] == 0
+
+
+def test_manager_stats_file_written_off_the_scheduler_thread(tmp_path, vllm_available,
+                                                          monkeypatch):
+    """$KVCACHE_STATS_FILE is written by the exporter thread, never by the scheduler
+    thread that reports (a file create + rename there can wait for the disk's journal),
+    soon after each report, and with the final counters at shutdown."""
+    import threading
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    import kvcache_core.vllm.manager as M
+    from kvcache_core.bench.common import read_stats_file
+
+    path = str(tmp_path / "stats.json")
+    monkeypatch.setenv("KVCACHE_STATS_FILE", path)
+    writers: list[str] = []
+    real_replace = os.replace
+
+    def spy(src, dst, *a, **kw):
+        if dst == path:
+            writers.append(threading.current_thread().name)
+        return real_replace(src, dst, *a, **kw)
+
+    monkeypatch.setattr(M.os, "replace", spy)
+    m = M.PyKVCacheManager(str(tmp_path / "root"), [Namespace("m", "bf16", 256, 1 << 16)],
+                           n_dram=2)
+    t0 = time.time()
+    m.prepare_store([key(1)], ReqContext("r"))
+    m.on_worker_report(set(), {"chunks_loaded_disk": 3})
+    assert read_stats_file(path, since=t0)["chunks_loaded_disk"] == 3
+    m.on_worker_report(set(), {"chunks_loaded_disk": 2})
+    m.shutdown()
+    with open(path) as f:
+        assert json.load(f)["chunks_loaded_disk"] == 5  # the last report, written at shutdown
+    assert writers and set(writers) == {"kvcache-stats"}
 
 
 def test_manager_concurrent_loads_of_one_block_read_it_once(tmp_path, vllm_available):
