@@ -53,7 +53,8 @@ Eviction (global LRU with shared recency):
   :meth:`Layout.scan`: a ``scandir`` + ``lstat`` walk of the namespace WITHOUT the ledger
   lock (publishers of other processes are never held up by it), run at construction and
   then only on the evictor thread: every ``rescan_interval_s`` while the ledger is above
-  75% of the bound, and soon (at most every ``MIN_RESCAN_GAP_S``) after an eviction found
+  75% of the bound, and soon (no sooner than ``MIN_RESCAN_GAP_S`` and ``SCAN_DUTY`` times
+  the last scan's duration after the previous one) after an eviction found
   the heap empty or holding only files newer than the last scan (i.e. no longer a global
   order: files other processes published since are not in it). Files this Layout
   publishes are pushed on the heap at once. ``stats.rescans`` counts the walks.
@@ -143,6 +144,10 @@ SCAN_WATER = 0.75
 RESCAN_INTERVAL_S = 2.0
 #: shortest time between two candidate scans of one Layout (requested ones included)
 MIN_RESCAN_GAP_S = 0.2
+#: and at least this many times the last scan's wall time: a Layout's scans take at most
+#: ~1/(1+SCAN_DUTY) of its evictor thread's time; a big namespace or many processes
+#: scanning on few cores (slower scans) make every process scan less often
+SCAN_DUTY = 10.0
 
 
 def scan_dir(path: str, sort: bool = False) -> list[os.DirEntry]:
@@ -688,6 +693,7 @@ class Layout(LayoutIndex):
         self._scanning = False
         self._scan_wall = 0.0  # time.time() when the last scan started
         self._scan_mono = -1e9  # time.monotonic() when the last scan ended
+        self._scan_gap = MIN_RESCAN_GAP_S  # shortest wait before the next scan
         self._sole_writer = False  # the last scan saw no other writer of the namespace
         self._scan_wanted = False
         self.rescan_interval_s = float(rescan_interval_s)
@@ -1055,6 +1061,7 @@ class Layout(LayoutIndex):
                 total += st.st_size
             n = len(lru)
             writers = len(scan_dir(os.path.join(self.base, ".writers")))
+            took = time.time() - started
             heapq.heapify(lru)
         finally:
             with self._cand_lock:
@@ -1067,6 +1074,7 @@ class Layout(LayoutIndex):
             self._scan_wall = started
             self._sole_writer = writers <= 1
         self._scan_mono = time.monotonic()
+        self._scan_gap = max(MIN_RESCAN_GAP_S, SCAN_DUTY * max(0.0, took))
         self.stats.rescans += 1
         return n, total
 
@@ -1147,8 +1155,8 @@ class Layout(LayoutIndex):
         """Seconds the evictor sleeps before its next pass (a wanted rescan: until the
         minimum gap since the last scan has passed)."""
         if self._scan_wanted:
-            return max(0.0, self._scan_mono + MIN_RESCAN_GAP_S - time.monotonic())
-        return self.rescan_interval_s
+            return max(0.0, self._scan_mono + self._scan_gap - time.monotonic())
+        return max(self.rescan_interval_s, self._scan_gap)
 
     def _evictor_pass(self) -> None:
         """One pass of the evictor thread: a candidate scan when one was requested or is
@@ -1158,10 +1166,10 @@ class Layout(LayoutIndex):
         m = self.max_disk_bytes
         used = self.ledger.peek()
         now = time.monotonic()
-        due = self._scan_wanted or (used >= SCAN_WATER * m
-                                    and now - self._scan_mono >= self.rescan_interval_s)
+        due = self._scan_wanted or (used >= SCAN_WATER * m and now - self._scan_mono
+                                    >= max(self.rescan_interval_s, self._scan_gap))
         scanned = False
-        if due and now - self._scan_mono >= MIN_RESCAN_GAP_S:
+        if due and now - self._scan_mono >= self._scan_gap:
             self._scan_wanted = False
             self.scan()
             scanned = True
