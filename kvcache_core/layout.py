@@ -58,8 +58,8 @@ Eviction (global LRU with shared recency):
   the heap empty or holding only files newer than the last scan (i.e. no longer a global
   order: files other processes published since are not in it). Files this Layout
   publishes are pushed on the heap at once. ``stats.rescans`` counts the walks.
-* Unlinking takes the ledger lock for one batch of at most :data:`EVICT_BATCH` candidates:
-  each is popped, ``lstat``-ed (never followed; a link, directory or vanished entry is
+* Unlinking takes the ledger lock for one batch of at most :data:`EVICT_BATCH` candidates
+  (plus :data:`STALE_BATCH` found already gone, one failed ``lstat`` each): each is popped, ``lstat``-ed (never followed; a link, directory or vanished entry is
   skipped) and its mtime re-checked: a file touched since it was queued is pushed back
   with its new mtime instead (lazy re-ordering: a popped file whose mtime still matches
   is the least recent of all candidates), else unlinked and its ``lstat`` size subtracted
@@ -133,6 +133,9 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 #: most eviction candidates examined (lstat, then unlink or requeue) by one batch: bounds
 #: the work of a reserve or publish on the hot path and each hold of the ledger lock
 EVICT_BATCH = 32
+#: most candidates found already gone (evicted by another process: one failed ``lstat``
+#: each) that one batch skips on top of that
+STALE_BATCH = 8 * EVICT_BATCH
 #: eviction brings the ledger down to this fraction of ``max_disk_bytes`` (a reserve:
 #: minus the block it makes room for)
 LOW_WATER = 0.90
@@ -1106,19 +1109,20 @@ class Layout(LayoutIndex):
         candidates."""
         used = self.ledger.get()
         lru, lock = self._lru, self._cand_lock
-        examined = 0
-        while used > target and examined < limit:
+        examined = gone = 0
+        while used > target and examined < limit and gone < STALE_BATCH:
             with lock:
                 if lru is not self._lru:  # the evictor swapped in a new scan
                     lru = self._lru
                 if not lru:
                     break
                 mtime, path = heapq.heappop(lru)
-            examined += 1
             try:
                 st = os.lstat(path)
-            except FileNotFoundError:  # evicted or removed by another process
+            except FileNotFoundError:  # evicted or removed by another process: cheap
+                gone += 1
                 continue
+            examined += 1
             if not stat.S_ISREG(st.st_mode):  # replaced by a link since the scan: never ours
                 if stat.S_ISLNK(st.st_mode):
                     self._skip_link(path)
@@ -1141,7 +1145,7 @@ class Layout(LayoutIndex):
             self.stats.evicted_bytes += st.st_size
             if threading.current_thread() is self._evictor:
                 self.stats.evicted_background += 1
-        if examined and not self._scan_wanted and self._evictor is not None:
+        if (examined or gone) and not self._scan_wanted and self._evictor is not None:
             with lock:
                 lru = self._lru
                 low = not lru or (not self._sole_writer and lru[0][0] >= self._scan_wall)

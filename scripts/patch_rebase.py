@@ -28,6 +28,7 @@ when nothing could be checked for lack of network.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -41,16 +42,25 @@ import urllib.parse
 import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-from kvcache_core.patching import (  # noqa: E402  (script run from a checkout)
-    PATCH_ROOT,
-    PatchError,
-    read_series,
-    select_series,
-    supported_versions,
-    version_key,
-)
+
+def _load_patching():
+    """kvcache_core/patching.py by path: it needs only the standard library, the package's
+    __init__ does not (CI runs this script without installing anything)."""
+    spec = importlib.util.spec_from_file_location(
+        "_kvcache_patching", os.path.join(REPO, "kvcache_core", "patching.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look the module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_patching = _load_patching()
+PatchError = _patching.PatchError
+read_series = _patching.read_series
+select_series = _patching.select_series
+supported_versions = _patching.supported_versions
+version_key = _patching.version_key
 
 PYPI = os.environ.get("PYPI_JSON", "https://pypi.org/pypi/vllm/json")
 #: sdists are kept here between runs (`--cache-dir`, env VLLM_SDIST_CACHE)

@@ -12,13 +12,25 @@ import zipfile
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SERIES = os.path.join(REPO, "kvcache_core", "vllm_patches", "v0.26.0")
+PATCHES = os.path.join(REPO, "kvcache_core", "vllm_patches")
 
 
 def _series_files() -> list[str]:
-    with open(os.path.join(SERIES, "series")) as f:
-        names = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
-    return ["series", *names]
+    """Every file of every series (v0.26.0, v0.32.0, ...), relative to vllm_patches/."""
+    out = []
+    for d in sorted(os.listdir(PATCHES)):
+        if not os.path.isfile(os.path.join(PATCHES, d, "series")):
+            continue
+        with open(os.path.join(PATCHES, d, "series")) as f:
+            names = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+        out += [f"{d}/{n}" for n in ["series", *names]]
+    return out
+
+
+def test_every_series_is_found():
+    files = _series_files()
+    assert {f.split("/")[0] for f in files} >= {"v0.26.0", "v0.32.0"}
+    assert len(files) >= 8
 
 
 def test_dependencies_are_pinned_and_complete():
@@ -42,7 +54,7 @@ def test_wheel_ships_the_patch_series_and_patch_vllm_runs_from_it(tmp_path):
     (whl,) = list(wheels.glob("py_kvcache-*.whl"))
     names = set(zipfile.ZipFile(whl).namelist())
     for f in _series_files():
-        assert f"kvcache_core/vllm_patches/v0.26.0/{f}" in names, f
+        assert f"kvcache_core/vllm_patches/{f}" in names, f
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
                     "--target", str(site), str(whl)], check=True, timeout=120)

@@ -1,0 +1,252 @@
+"""Global LRU eviction across processes (issue 12 item 5): real files, real processes.
+
+* the globally least recently used files go first, whichever process published or read
+  them (recency = mtime, touched by every read hit of every process);
+* ``reserve`` (the store hot path) never walks the namespace: candidate scans run on the
+  evictor thread, counted in ``LayoutStats.rescans``;
+* 64 processes on one root under ``max_disk_bytes``: no error, exact ledger, the bound held
+  exactly (publish checks it under the ledger lock), the survivors are the most recently
+  used blocks.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from helpers.kvutil import list_files, published_bytes, read_ledger
+from helpers.lru_worker import content, make_ns
+
+from kvcache_core.layout import MIN_RESCAN_GAP_S, Layout
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "helpers", "lru_worker.py")
+BB = 1024  # small blocks: one file = 4 KiB header + 4 KiB payload
+NS = make_ns(BB)
+FB = NS.file_bytes
+ENV = dict(os.environ, PYTHONPATH=REPO)
+
+
+class Proc:
+    """A ``lru_worker.py serve`` child: one Layout, driven line by line."""
+
+    def __init__(self, root: str, max_disk: int, rescan_s: float) -> None:
+        self.p = subprocess.Popen([sys.executable, WORKER, "serve", root, str(BB),
+                                   str(max_disk), str(rescan_s)], env=ENV, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert json.loads(self.p.stdout.readline()) == {"ready": True}
+
+    def cmd(self, op: str, keys: list[str] | None = None):
+        self.p.stdin.write(json.dumps({"op": op, "keys": keys or []}) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line, f"worker died (rc {self.p.poll()})"
+        return json.loads(line)["res"]
+
+    def quit(self) -> None:
+        if self.p.poll() is None:
+            self.cmd("quit")
+            assert self.p.wait(timeout=30) == 0
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def test_globally_oldest_files_go_first_whoever_published_them(tmp_path):
+    """Process A publishes a0-a7, B publishes b0-b7, B reads a0-a3 (its read hits touch
+    A's files), A reads b0-b1. Recency, oldest first: a4-a7 < b2-b7 < a0-a3 < b0-b1. Then
+    A alone stores 12 new blocks into a bound of 20 files: the files A evicts are the
+    oldest of that order, B's included, and none that the other process touched."""
+    root = str(tmp_path / "root")
+    bound = 20 * FB
+    a = Proc(root, bound, 0.05)
+    b = Proc(root, bound, 0.05)
+    try:
+        A = [f"a{i}" for i in range(8)]
+        B = [f"b{i}" for i in range(8)]
+        assert a.cmd("pub", A) == A
+        time.sleep(0.03)
+        assert b.cmd("pub", B) == B
+        time.sleep(0.03)
+        assert b.cmd("touch", A[:4]) == A[:4]  # B's read hits on A's files
+        time.sleep(0.03)
+        assert a.cmd("touch", B[:2]) == B[:2]  # A's read hits on B's files
+        b.quit()
+        group = {**{k: 0 for k in A[4:]}, **{k: 1 for k in B[2:]},
+                 **{k: 2 for k in A[:4]}, **{k: 3 for k in B[:2]}}
+        # 16 of 20 files (80%: above SCAN_WATER): A's evictor rescans in the background
+        time.sleep(1.0)
+        new = [f"n{i}" for i in range(12)]
+        for k in new:
+            assert a.cmd("pub", [k]) == [k]
+        stats = a.cmd("stats")
+        a.quit()
+    finally:
+        a.kill()
+        b.kill()
+    lay = Layout(root, NS)
+    try:
+        survivors = {k for k in group if lay.exists(k.encode())}
+        assert all(lay.exists(k.encode()) for k in new)
+        for k in survivors:
+            assert lay.read_block(k.encode()) == content(k.encode(), BB)
+    finally:
+        lay.close()
+    evicted = set(group) - survivors
+    assert stats["evicted_files"] == len(evicted), stats  # all evicted by A's stores
+    assert len(evicted) >= 8, (evicted, stats)
+    assert set(A[4:]) <= evicted and evicted & set(B), evicted  # B's files went too
+    # the evicted files are a prefix of the global recency order (ties within a group)
+    assert max(group[k] for k in evicted) <= min(group[k] for k in survivors), (
+        sorted(evicted), sorted(survivors))
+    assert not evicted & set(A[:4] + B[:2])  # touched by the other process: kept
+    base = os.path.join(root, NS.dirname())
+    assert read_ledger(base) == published_bytes(base) <= bound
+
+
+class CountingLayout(Layout):
+    """Records the thread of every namespace walk (candidate scans, resyncs, collection)."""
+
+    def __init__(self, *a, **kw) -> None:
+        self.walk_threads: list[int] = []
+        super().__init__(*a, **kw)
+
+    def _iter_files(self):
+        self.walk_threads.append(threading.get_ident())
+        return super()._iter_files()
+
+
+def test_reserve_never_rescans_on_the_hot_path(tmp_path):
+    """2,000 stores and 2,000 extra reserves, every store evicting, while another process
+    publishes into the same namespace: no namespace walk ever runs on the storing thread
+    after construction, and the walks (``stats.rescans``) stay bounded by time (at most
+    one per MIN_RESCAN_GAP_S), not by the number of reserves."""
+    root = str(tmp_path / "root")
+    bound = 16 * FB
+    other = Proc(root, bound, 0.05)
+    try:
+        assert len(other.cmd("pub", [f"pre{i}" for i in range(16)])) == 16
+        lay = CountingLayout(root, NS, max_disk_bytes=bound, rescan_interval_s=0.05)
+        try:
+            me = threading.get_ident()
+            at_open = lay.stats.rescans
+            assert at_open >= 1 and lay.walk_threads.count(me) == len(lay.walk_threads)
+            walks_open = len(lay.walk_threads)
+            t0 = time.monotonic()
+            n = 2000
+            for i in range(n):
+                k = f"hot{i}".encode()
+                assert lay.write_block(k, content(k, BB)), lay.stats
+                assert lay.reserve(FB)
+                if i % 200 == 0:  # the other process keeps publishing (not a sole writer)
+                    other.cmd("pub", [f"o{i}-{j}" for j in range(8)])
+            elapsed = time.monotonic() - t0
+            evictor = lay._evictor.ident
+            stats = lay.stats
+        finally:
+            lay.close()
+        other.quit()
+    finally:
+        other.kill()
+    later = lay.walk_threads[walks_open:]
+    assert me not in later, "a namespace walk ran on the storing thread"
+    assert set(later) <= {evictor}
+    assert stats.evicted_files >= n - 16, stats
+    assert stats.dropped_full == 0, stats
+    rescans = stats.rescans - at_open
+    assert rescans <= 2 + elapsed / MIN_RESCAN_GAP_S, (rescans, elapsed)
+    assert rescans < n // 20, rescans
+    base = os.path.join(root, NS.dirname())
+    assert read_ledger(base) == published_bytes(base) <= bound
+
+
+N_PROCS = 64
+N_BLOCKS = 40
+BOUND_FILES = 160
+
+
+def test_64_processes_share_one_bound_and_evict_globally_lru(tmp_path):
+    """64 processes, 40 stores each (+ 2 reads of recent blocks of any process after each
+    store) into one namespace bounded to 160 files: 2,560 publishes, ~2,400 evictions.
+    0 errors, 0 wrong reads; at the end the ledger equals the bytes of the published
+    files and is <= max_disk_bytes EXACTLY (publish checks the bound under the ledger
+    lock; in-flight temp files are not counted and none is left); the surviving files are
+    the most recently used ones: at least 80% of them are among the 160 most recently
+    used blocks (publish or read hit of any process; random eviction would give ~6%)."""
+    root = str(tmp_path / "root")
+    bound = BOUND_FILES * FB
+    os.makedirs(root)
+    outs = [str(tmp_path / f"out-{w}.json") for w in range(N_PROCS)]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, WORKER, "churn", root, str(BB), str(bound),
+                               str(w), str(N_PROCS), str(N_BLOCKS), str(1000 + w), outs[w]],
+                              env=ENV) for w in range(N_PROCS)]
+    try:
+        deadline = time.monotonic() + 60
+        while len(glob.glob(os.path.join(root, "ready-*"))) < N_PROCS:
+            assert time.monotonic() < deadline, "workers did not start"
+            assert all(p.poll() in (None, 0) for p in procs), "a worker died"
+            time.sleep(0.05)
+        t_go = time.monotonic()
+        open(os.path.join(root, "go"), "w").close()
+        rcs = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    t_run = time.monotonic() - t_go
+    assert rcs == [0] * N_PROCS, rcs
+    last_use: dict[str, float] = {}
+    errors: list[str] = []
+    wrong = evicted = dropped = rescans = 0
+    for o in outs:
+        with open(o) as f:
+            r = json.load(f)
+        errors += r["errors"]
+        wrong += r["wrong"]
+        evicted += r["stats"]["evicted_files"]
+        dropped += r["stats"]["dropped_full"]
+        rescans += r["stats"]["rescans"]
+        for k, t in r["pubs"] + r["hits"]:
+            last_use[k] = max(t, last_use.get(k, 0.0))
+    assert errors == [] and wrong == 0, (errors[:3], wrong)
+    base = os.path.join(root, NS.dirname())
+    finals, temps = list_files(base)
+    assert temps == [] and os.listdir(os.path.join(base, ".writers")) == []
+    total = published_bytes(base)
+    assert read_ledger(base) == total <= bound, (read_ledger(base), total, bound)
+    lay = Layout(root, NS)
+    try:
+        survivors = {k for k in last_use if lay.exists(k.encode())}
+    finally:
+        lay.close()
+    assert len(survivors) == len(finals)
+    recent = sorted(last_use, key=last_use.get, reverse=True)[: len(survivors)]
+    precision = len(survivors & set(recent)) / max(1, len(survivors))
+    figures = {"processes": N_PROCS, "publishes": len(last_use), "errors": len(errors),
+               "wrong_reads": wrong, "evicted_files": evicted, "dropped_full": dropped,
+               "rescans_total": rescans, "final_bytes": total, "bound_bytes": bound,
+               "final_files": len(finals), "lru_precision": round(precision, 3),
+               "run_s": round(t_run, 2), "wall_s": round(time.monotonic() - t0, 2)}
+    print("global-lru-64:", json.dumps(figures))
+    out = os.environ.get("KVCACHE_LRU64_JSON")
+    if out:
+        with open(out, "w") as f:
+            json.dump(figures, f, indent=1)
+    assert evicted == len(last_use) - len(finals), figures
+    assert len(finals) >= BOUND_FILES * 0.8, figures
+    assert precision >= 0.8, figures
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
