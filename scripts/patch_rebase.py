@@ -255,6 +255,13 @@ def render_md(report: dict) -> str:
              "patched code still runs (the v0.26.0 scheduler patch applies to 0.31.0+, whose "
              "scheduler no longer has `skipped_waiting`; there 0003 conflicts, so it is never "
              "applied).", "",
+             "This file and its .json are rewritten only when a result changes. `--fail-on-"
+             "regression` (weekly CI, `.github/workflows/patch-rebase.yml`) exits 1 when a "
+             "series stops applying to its own release, or when the series `kvcache "
+             "patch-vllm` picks for a release does not apply and this report did not say so "
+             "yet (commit the report to acknowledge, add a series to fix). Releases that "
+             "cannot be downloaded are skipped and keep their results; offline runs exit 0.",
+             "",
              "## Which series `kvcache patch-vllm` uses", "",
              "The series of the target's own version, else the newest series older than it. "
              "A version older than every series is refused.", "",

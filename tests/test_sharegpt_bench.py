@@ -474,6 +474,12 @@ def test_end_to_end_openai_server_cpu(tmp_path):
         assert r["cached_prompt_frac"] > 0  # later turns hit the GPU prefix cache
     kv = rows["kvcache_disk"]
     assert kv["stores"] > 0 and kv["bytes_written"] > 0, kv
+    # what an operator's Prometheus scrapes from vllm serve's /metrics (issue 13 item 2)
+    met = kv["metrics"]
+    assert met["vllm:pykvcache_healthy"] == 1, met
+    assert met["vllm:pykvcache_stores_total"] == kv["stores"], met
+    assert met["vllm:pykvcache_lookups_total"] > 0 and "vllm:pykvcache_dram_slots" in met
+    assert "metrics" not in rows["prefix_cache"]
     assert "stores" not in rows["prefix_cache"]
     assert os.path.exists(out[:-5] + ".md") and os.path.exists(out[:-5] + ".png")
     # the servers' process groups are gone and the cache roots wiped

@@ -690,6 +690,30 @@ def _tail(path: str, n: int = 25) -> str:
         return ""
 
 
+def scrape_metrics(port: int, prefixes: tuple[str, ...] = ("vllm:pykvcache_",)
+                   ) -> dict[str, float]:
+    """The server's Prometheus metrics (``GET /metrics``) whose names start with one of
+    ``prefixes``, each summed over its label sets ({} when /metrics does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode("utf-8", "replace")
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(prefixes) or "_created" in line.split("{")[0]:
+            continue
+        name, _, rest = line.partition("{")
+        value = rest.rsplit("}", 1)[-1] if rest else line.split()[-1]
+        if not rest:
+            name = line.split()[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
 def read_counters(path: str, since: float | None = None) -> dict:
     """py-kvcache's counters from $KVCACHE_STATS_FILE ({} when absent); ``since``: a
     write at or after that ``time.time()`` (waited for briefly)."""
@@ -864,6 +888,9 @@ class Server:
             since = time.time()
             asyncio.run(_simple_requests(self.port, self.name, 2, seed=2000))  # ... report
         c = read_counters(self.stats, since)
+        if cfg.startswith("kvcache") and self.proc.poll() is None:
+            # what an operator's Prometheus sees (cumulative since the server started)
+            row["metrics"] = scrape_metrics(self.port)
         if c:
             delta = {k: v - self._counters.get(k, 0) for k, v in c.items()
                      if isinstance(v, (int, float))}
@@ -949,6 +976,9 @@ def combine_rounds(rows: list[dict]) -> dict:
     if len(errs) == len(rows):
         out["error"] = errs[0]
     out["rounds"] = [{k: v for k, v in r.items() if k != "ttft_all"} for r in rows]
+    last = [r["metrics"] for r in rows if r.get("metrics")]
+    if last:
+        out["metrics"] = last[-1]  # cumulative since the server started
     return out
 
 

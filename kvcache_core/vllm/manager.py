@@ -57,6 +57,7 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
+from ..breakeven import GATE_TIERS
 from ..layout import LayoutIndex, Namespace
 from ..reactor import IN_SLOT
 from ..staging import SlotAllocator
@@ -114,6 +115,12 @@ MANAGER_GAUGES: dict[str, str] = {
     "stores_in_flight": "Chunks whose store job is not complete yet.",
     "loads_in_flight": "Chunks whose load job is not complete yet.",
 }
+#: Counters of the connector's break-even gate (``breakeven_table``), one decision per
+#: request when it is scheduled; tiers: dram, staged (preloaded), disk.
+GATE_COUNTERS: dict[str, str] = {
+    f"gate_{a}_{t}": f"Break-even gate: requests whose {t}-tier prefix was "
+    f"{'loaded' if a == 'accepted' else 'refused (recomputed)'}."
+    for a in ("accepted", "refused") for t in GATE_TIERS}
 #: Counters reported by the workers (summed over ranks).
 WORKER_COUNTERS: dict[str, str] = {
     "chunks_loaded_dram": "Worker: chunks copied to the device from a DRAM-tier slot.",
@@ -708,7 +715,7 @@ class PyKVCacheManager(OffloadingManager):
         )
 
         delta = {}
-        for k, v in self.counters.items():
+        for k, v in (*self.counters.items(), *self.extra_counters.items()):
             d = v - self._reported.get(k, 0)
             if d:
                 delta[k] = d

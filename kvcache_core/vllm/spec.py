@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ..config import ConfigError
 from .manager import (
+    GATE_COUNTERS,
     MANAGER_COUNTERS,
     MANAGER_GAUGES,
     METRIC_PREFIX,
@@ -70,6 +71,8 @@ class PyKVCacheSpec(OffloadingSpec):
             for k, doc in (*MANAGER_COUNTERS.items(), *WORKER_COUNTERS.items())}
         defs.update({METRIC_PREFIX + k: OffloadingGaugeMetadata(documentation=doc)
                      for k, doc in MANAGER_GAUGES.items()})
+        defs.update({METRIC_PREFIX + k: OffloadingCounterMetadata(documentation=doc)
+                     for k, doc in GATE_COUNTERS.items()})
         return defs
 
     def __init__(self, config: OffloadingConfig) -> None:
