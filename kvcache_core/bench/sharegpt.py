@@ -59,6 +59,7 @@ import asyncio
 import contextlib
 import functools
 import gzip
+import importlib.util
 import json
 import math
 import os
@@ -77,7 +78,10 @@ from typing import Any, TextIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL_CONFIGS = ["prefix_cache", "native_cpu", "native_fs", "kvcache_dram", "kvcache_disk",
-               "kvcache_dram_gate"]
+               "kvcache_dram_gate", "lmcache", "kvcache"]
+#: configurations that need the node's break-even table (``kvcache``: issue 11's name for
+#: the operator configuration, the same as ``kvcache_dram_gate``)
+GATED = ("kvcache_dram_gate", "kvcache")
 #: what ``run`` measures unless ``--configs`` says otherwise (the issue's five)
 DEFAULT_CONFIGS = ALL_CONFIGS[:5]
 BASELINE = "prefix_cache"
@@ -310,14 +314,21 @@ def write_workload(path: str, reqs: list[dict]) -> None:
 
 
 def read_workload(path: str, n: int | None = None) -> list[dict]:
-    out = []
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            if line.strip():
-                out.append(json.loads(line))
-                if n is not None and len(out) >= n:
-                    break
-    return out
+    """The first ``n`` requests of a workload file: this program's own (``prepare``) or
+    any ``kvcache workload`` file (``kvcache_core.workloads`` format, checked line by
+    line) whose prompts are token ids (write it with ``--token-ids``)."""
+    from ..workloads import WorkloadError
+    from ..workloads import read_workload as read_checked
+
+    try:
+        reqs = read_checked(path, n)
+    except WorkloadError as e:
+        raise SystemExit(str(e)) from None
+    text = sum(1 for r in reqs if "prompt_token_ids" not in r)
+    if text:
+        raise SystemExit(f"{path}: {text} requests have text prompts; this benchmark needs "
+                         "token ids (kvcache workload ... --token-ids)")
+    return reqs
 
 
 def workload_stats(reqs: list[dict], block: int = 256) -> dict:
@@ -586,16 +597,36 @@ def transfer_config(cfg: str, args) -> dict | None:
     kvcache_dram's DRAM tier alike."""
     if cfg == BASELINE:
         return None
+    if cfg == "lmcache":  # LMCache's own connector; its tiers are set by lmcache_env()
+        return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     from .longdoc import transfer_config as longdoc_config
+
+    name, cfg = cfg, ("kvcache_dram_gate" if cfg == "kvcache" else cfg)
 
     ns = SimpleNamespace(root=args.root, docs=1, staging_bytes=args.staging_bytes,
                          io_depth=args.io_depth, preload_lookahead=args.preload_lookahead,
                          gate_table_path=getattr(args, "gate_table", None))
     # longdoc sizes every CPU/DRAM tier as doc_bytes * 1.3 (* docs, here 1)
     tc = longdoc_config(cfg, ns, int(args.cpu_bytes / 1.3))
-    if tc is not None and cfg.startswith("kvcache") and args._max_disk_bytes:
-        tc["kv_connector_extra_config"]["max_disk_bytes"] = args._max_disk_bytes
+    if tc is not None and cfg.startswith("kvcache"):
+        extra = tc["kv_connector_extra_config"]
+        extra["root_dir"] = os.path.join(args.root, name)  # the root Server wipes
+        if args._max_disk_bytes:
+            extra["max_disk_bytes"] = args._max_disk_bytes
     return tc
+
+
+def lmcache_env(args, root: str) -> dict[str, str]:
+    """LMCache's configuration (environment): 256-token chunks like py-kvcache's, a CPU
+    tier of ``--cpu-bytes`` (as native_cpu's and py-kvcache's DRAM tier) and a local
+    disk tier under the configuration's root, bounded like py-kvcache's
+    (``max_disk_bytes``, else 80 % of the free space)."""
+    disk = args._max_disk_bytes or int(shutil.disk_usage(args.root).free * 0.8)
+    return {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{args.cpu_bytes / 1e9:.2f}",
+            "LMCACHE_LOCAL_DISK": f"file://{root}/",
+            "LMCACHE_MAX_LOCAL_DISK_SIZE": f"{disk / 1e9:.2f}",
+            "LMCACHE_USE_EXPERIMENTAL": "True"}
 
 
 def server_cmd(args, cfg: str, model_dir: str, name: str, port: int) -> list[str]:
@@ -828,6 +859,9 @@ class Server:
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         if self.cfg.startswith("kvcache"):
             env["KVCACHE_STATS_FILE"] = self.stats
+        if self.cfg == "lmcache":
+            os.makedirs(self.root, exist_ok=True)
+            env.update(lmcache_env(args, self.root))
         if self.cfg == "native_fs" and args._max_disk_bytes:
             self.janitor = DiskJanitor(self.root, args._max_disk_bytes)
             self.janitor.start()
@@ -1119,13 +1153,16 @@ def cmd_run(args) -> int:
     bad = [c for c in configs if c not in ALL_CONFIGS]
     if bad:
         raise SystemExit(f"unknown config(s) {bad}; choose from {', '.join(ALL_CONFIGS)}")
-    if "kvcache_dram_gate" in configs:
+    if "lmcache" in configs and importlib.util.find_spec("lmcache") is None:
+        raise SystemExit("the lmcache configuration needs LMCache installed (pip install "
+                         "lmcache==0.5.2; on the GPU machine carry its wheels)")
+    if any(c in GATED for c in configs):
         if not args.gate_table:
             args.gate_table = os.path.join(
                 "docs", "results", "h200",
                 f"breakeven-{os.path.basename(os.path.normpath(args.model))}.json")
         if not os.path.isfile(args.gate_table):
-            raise SystemExit(f"kvcache_dram_gate needs a break-even table: {args.gate_table} "
+            raise SystemExit(f"{'/'.join(GATED)} need a break-even table: {args.gate_table} "
                              "not found (--gate-table)")
         args.gate_table = os.path.abspath(args.gate_table)
     n = args.n or None
