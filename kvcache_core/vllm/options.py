@@ -97,6 +97,16 @@ GLUE_KEY_HELP: dict[str, str] = {
     "win on a GPU).",
 }
 
+#: defaults of the glue keys as the configuration table shows them (tests/test_config_table.py
+#: checks them against :func:`parse_extra_config`)
+GLUE_DEFAULTS: dict[str, str] = {
+    "spec_name": "-", "spec_module_path": "-", "blocks_per_chunk": "from `block_size`",
+    "offload_prompt_only": "true", "self_describing_kv_events": "false",
+    "model_id": "model path", "load_failure_policy": "`recompute`", "preload_lookahead": "4",
+    "preload_max_blocks": "64", "breakeven_table": "-", "disk_min_prefix_tokens": "`auto`",
+    "queue_aware_preload": "false",
+}
+
 DEFAULT_TOKENS_PER_CHUNK = 256
 
 
