@@ -271,8 +271,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         # collects dead writers' temp files; never follows a symbolic link
         lay = _open_layout(args.root, name, meta, args.allow_foreign_root)
         total += lay.stats.temp_collected + lay.collect_stale_temps(args.max_age)
-        files, nbytes = lay.scan()
-        lay.ledger.set(nbytes)
+        with lay.ledger.locked():  # walk + set under the lock: no publish in between
+            files, nbytes = lay.scan()
+            lay.ledger.set(nbytes)
         links = (f"; {lay.stats.symlinks_skipped} symbolic links skipped"
                  if lay.stats.symlinks_skipped else "")
         print(f"{name}: {files} files, {nbytes} bytes; ledger resynced{links}")

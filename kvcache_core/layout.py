@@ -59,12 +59,13 @@ Eviction (global LRU with shared recency):
   order: files other processes published since are not in it). Files this Layout
   publishes are pushed on the heap at once. ``stats.rescans`` counts the walks.
 * Unlinking takes the ledger lock for one batch of at most :data:`EVICT_BATCH` candidates
-  (plus :data:`STALE_BATCH` found already gone, one failed ``lstat`` each): each is popped, ``lstat``-ed (never followed; a link, directory or vanished entry is
-  skipped) and its mtime re-checked: a file touched since it was queued is pushed back
-  with its new mtime instead (lazy re-ordering: a popped file whose mtime still matches
-  is the least recent of all candidates), else unlinked and its ``lstat`` size subtracted
-  from the ledger. Temp files (``.tmp.*``) are never candidates: a live writer's temp
-  is never unlinked by eviction.
+  (plus :data:`STALE_BATCH` found already gone, one failed ``lstat`` each): each is
+  popped, ``lstat``-ed (never followed; a link, directory or vanished entry is skipped)
+  and its mtime re-checked: a file touched since it was queued is pushed back with its
+  new mtime instead (lazy re-ordering: a popped file whose mtime still matches is the
+  least recent of all candidates), else unlinked and its ``lstat`` size subtracted from
+  the ledger. Temp files (``.tmp.*``) are never candidates: a live writer's temp is
+  never unlinked by eviction.
 * Hot path: :meth:`Layout.reserve` reads the ledger; only when the block does not fit it
   runs ONE such batch (down to 90% of the bound minus the block); it never walks the
   namespace. The evictor thread also evicts in the background (batches, the lock released
@@ -1066,13 +1067,16 @@ class Layout(LayoutIndex):
             writers = len(scan_dir(os.path.join(self.base, ".writers")))
             took = time.time() - started
             heapq.heapify(lru)
-        finally:
+        except BaseException:
             with self._cand_lock:
                 self._scanning = False
-                recent, self._recent = self._recent, []
-        with self._cand_lock:
-            for item in recent:
+                self._recent = []
+            raise
+        with self._cand_lock:  # one section: no publish falls between merge and swap
+            self._scanning = False
+            for item in self._recent:
                 heapq.heappush(lru, item)
+            self._recent = []
             self._lru = lru
             self._scan_wall = started
             self._sole_writer = writers <= 1

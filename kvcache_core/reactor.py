@@ -57,7 +57,7 @@ from typing import Any
 
 from .copy import Copier, NullCopier
 from .io import IOEngine, make_engine, probe_direct
-from .layout import HEADER_BYTES, MAX_KEY_BYTES, CorruptBlock, Layout
+from .layout import HEADER_BYTES, MAX_KEY_BYTES, CapacityExceeded, CorruptBlock, Layout
 from .staging import Priority, SlotAllocator, StagingPool
 
 log = logging.getLogger(__name__)
@@ -937,7 +937,9 @@ class Reactor:
                 published = self.layout.publish(t.tmp, t.final, t.wlen)
             except OSError as e:
                 self.layout.discard(t.tmp)
-                if e.errno in (_errno.ENOSPC, _errno.EDQUOT):
+                if isinstance(e, CapacityExceeded):  # max_disk_bytes, checked at publish
+                    self.stats.stores_dropped_capacity += 1
+                elif e.errno in (_errno.ENOSPC, _errno.EDQUOT):
                     self.stats.stores_dropped_enospc += 1
                 else:
                     self._count_error("publish", -(e.errno or _errno.EIO))
@@ -1101,13 +1103,12 @@ class Reactor:
             for t in batch:
                 if t.cached:
                     self.alloc.unpin(t.slot)
-                elif t.ext:
-                    if not t.flags & IN_SLOT:
-                        self.layout.touch(t.key)
-                else:
+                elif not t.ext:
                     self._slot_len[t.slot] = t.payload
                     self.alloc.release(t.slot, t.key)
-                    self.layout.touch(t.key)
+                # every hit refreshes the file's recency, DRAM and preload hits too: the
+                # disk's LRU is shared by all processes (a no-op without max_disk_bytes)
+                self.layout.touch(t.key)
                 t.slot = -1
                 self.stats.loads_ok += 1
                 self._finish(t, True)

@@ -882,3 +882,47 @@ def test_no_deadline_by_default_in_the_reactor_and_config_validates_it():
         with pytest.raises(ConfigError, match="'io_timeout_s'"):
             StorageConfig(io_timeout_s=bad)
     assert StorageConfig(io_timeout_s=0).io_timeout_s == 0
+
+
+def test_dram_hits_refresh_the_files_shared_recency(make_layout, make_reactor):
+    """With ``max_disk_bytes`` the disk's LRU is shared by every process through the
+    files' mtime: a hit served from a retained (DRAM) slot touches the file as a disk hit
+    does, so a block that stays hot in DRAM is not the first one evicted on disk."""
+    lay = make_layout(max_disk_bytes=1 << 30)
+    r = make_reactor(lay, retain=True)
+    keys = keys_of("hot", 3)
+    store_all(r, keys)
+    assert finish(r)["store"].ok == [True] * 3
+    dests = [sentinel_buf(BLOCK) for _ in keys]
+    r.load("disk", [(k, d, BLOCK) for k, d in zip(keys, dests, strict=True)])
+    assert finish(r)["disk"].ok == [True] * 3
+    reads = r.stats.bytes_read
+    old = time.time() - 1000
+    for k in keys:
+        os.utime(lay.path_for(k), (old, old))
+    r.load("dram", [(k, d, BLOCK) for k, d in zip(keys, dests, strict=True)])
+    assert finish(r)["dram"].ok == [True] * 3
+    assert r.stats.bytes_read == reads  # served from the retained slots, no disk read
+    check_dests(keys, dests)
+    for k in keys:
+        assert os.stat(lay.path_for(k)).st_mtime > old + 900
+
+
+def test_publish_over_the_bound_counts_a_capacity_drop(make_layout, make_reactor,
+                                                       monkeypatch):
+    """The bound is checked again under the ledger lock at publish (another process may
+    have filled the room since ``reserve``): that drop is a capacity drop, not ENOSPC."""
+    from kvcache_core.layout import CapacityExceeded
+
+    lay = make_layout(max_disk_bytes=1 << 30)
+
+    def full(tmp, final, nbytes):
+        lay.discard(tmp)
+        raise CapacityExceeded(28, "namespace full")
+
+    monkeypatch.setattr(lay, "publish", full)
+    r = make_reactor(lay)
+    store_all(r, keys_of("cap", 2))
+    assert finish(r)["store"].ok == [False, False]
+    assert r.stats.stores_dropped_capacity == 2 and r.stats.stores_dropped_enospc == 0
+    assert list_files(lay.base) == ([], [])
