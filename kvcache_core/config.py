@@ -104,6 +104,13 @@ KEY_HELP: dict[str, str] = {
     "a hung filesystem (network mount, FUSE, a FIFO) therefore never hangs vLLM. The stuck "
     "operation keeps its slot until the kernel ends it. 0 disables (not recommended). "
     "Default 30.",
+    "integrity_key_file": "Path of a file holding a secret (>= 16 bytes; not readable by "
+    "every user) shared by the processes that trust each other. Every block then carries a "
+    "keyed BLAKE3 over header and payload, and a block that does not verify (forged by "
+    "someone with write access to root_dir but not the key, or written without a key) is a "
+    "miss, never a hit. Keyed instances use their own namespace (named by a public id of "
+    "the key). Costs one BLAKE3 pass per block written and read. Unset: no keyed check "
+    "(docs/security.md).",
 }
 
 
@@ -129,6 +136,7 @@ class StorageConfig:
     engine: str = "auto"
     verify_checksum: bool = True
     io_timeout_s: float = 30.0
+    integrity_key_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +160,9 @@ class StorageConfig:
         need(isinstance(self.io_timeout_s, (int, float)) and not isinstance(
             self.io_timeout_s, bool) and 0 <= self.io_timeout_s <= 3600, "io_timeout_s",
              "must be a number of seconds in 0..3600 (0 = no deadline)")
+        need(self.integrity_key_file is None or (
+            isinstance(self.integrity_key_file, str) and self.integrity_key_file != ""),
+            "integrity_key_file", "must be a file path (string) or null")
         need(self.io_depth >= 1, "io_depth", "must be >= 1")
         need(self.io_depth <= 256, "io_depth", "must be <= 256")
         need(self.lookahead >= 0, "lookahead", "must be >= 0")

@@ -97,6 +97,7 @@ import contextlib
 import errno
 import fcntl
 import heapq
+import hmac
 import itertools
 import json
 import logging
@@ -126,6 +127,10 @@ HEADER_FMT = struct.Struct(f"<8sIIQQ16sH{MAX_KEY_BYTES}sQ")
 HEADER_HASH = struct.Struct("<Q")
 #: byte offset of the payload checksum (the last field of HEADER_FMT)
 _DIGEST_OFF = HEADER_FMT.size - 8
+#: keyed integrity (``integrity_key_file``): a 32-byte keyed BLAKE3 over the header
+#: fields and the payload, right after the header hash (zeros when no key is set)
+MAC_OFF = HEADER_FMT.size + HEADER_HASH.size
+MAC_BYTES = 32
 TMP_PREFIX = ".tmp."
 #: mode of every directory the layout creates unless ``dir_mode`` says otherwise
 DEFAULT_DIR_MODE = 0o700
@@ -185,6 +190,50 @@ class CapacityExceeded(OSError):
 
 class CorruptBlock(Exception):
     """A file's header or payload failed validation; the caller treats it as a miss."""
+
+
+#: shortest accepted integrity key (bytes of ``integrity_key_file``)
+MIN_KEY_BYTES = 16
+
+
+def _mac_key(secret: bytes) -> bytes:
+    """The 32-byte BLAKE3 key derived from an integrity secret of any length."""
+    import blake3
+
+    return blake3.blake3(secret, derive_key_context="py-kvcache 2026 block MAC").digest()
+
+
+def integrity_key_id(secret: bytes) -> str:
+    """A public 16-hex id of an integrity secret (it names the keyed namespace, so keyed
+    and unkeyed instances, or two keys, never share files); reveals nothing of the key."""
+    import blake3
+
+    return blake3.blake3(secret, derive_key_context="py-kvcache 2026 key id").hexdigest()[:16]
+
+
+def load_integrity_key(path: str) -> bytes:
+    """The secret in ``integrity_key_file`` (whitespace around it stripped). Raises
+    ConfigError naming the key when the file is missing, unreadable, a symbolic link,
+    readable by every user (a secret it is not), or shorter than
+    :data:`MIN_KEY_BYTES`."""
+    from .config import ConfigError
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"py-kvcache config key 'integrity_key_file': {path!r} {why}")
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise bad(f"cannot be opened ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_mode & 0o004:
+            raise bad("is readable by every user: chmod 0600 (or 0640 for a group that "
+                      "shares the cache)")
+        secret = f.read(1 << 16).strip()
+    if len(secret) < MIN_KEY_BYTES:
+        raise bad(f"holds {len(secret)} bytes; at least {MIN_KEY_BYTES} are needed "
+                  "(e.g. head -c 32 /dev/urandom | base64 > FILE)")
+    return secret
 
 
 @dataclass(frozen=True)
@@ -492,12 +541,28 @@ class LayoutIndex:
     writes, no I/O at construction. Safe to create anywhere (e.g. vLLM's scheduler
     process or ``kvcache verify``) and to call from any thread."""
 
-    def __init__(self, root: str, ns: Namespace) -> None:
+    def __init__(self, root: str, ns: Namespace, integrity_key: bytes | None = None) -> None:
+        """``integrity_key`` (``integrity_key_file``'s bytes): blocks carry a keyed
+        BLAKE3 over header and payload, and a block whose MAC does not verify (forged by a
+        writer without the key, or written unkeyed) is corrupt: a miss, never a hit."""
         self.root = os.path.abspath(root)
         self.ns = ns
         self.base = os.path.join(self.root, ns.dirname())
         self._ns_digest = ns.digest()
         self._base_fd = -1  # O_PATH fd of base: lookups walk 3 path components, not ~10
+        if integrity_key is not None and len(integrity_key) < MIN_KEY_BYTES:
+            raise ValueError(f"integrity key shorter than {MIN_KEY_BYTES} bytes")
+        self._mac_key = None if integrity_key is None else _mac_key(integrity_key)
+
+    def _mac(self, slot: memoryview, payload_len: int) -> bytes:
+        """Keyed BLAKE3 of the header fields (digest included) and the payload; BLAKE3
+        hashes large inputs on several threads with the GIL released."""
+        import blake3
+
+        h = blake3.blake3(key=self._mac_key, max_threads=blake3.blake3.AUTO)
+        h.update(slot[: HEADER_FMT.size])
+        h.update(slot[HEADER_BYTES: HEADER_BYTES + payload_len])
+        return h.digest()
 
     def name_of(self, key: bytes) -> str:
         return xxhash.xxh3_128_hexdigest(key)
@@ -574,6 +639,11 @@ class LayoutIndex:
         if verify and digest != xxhash.xxh3_64_intdigest(
                 slot[HEADER_BYTES: HEADER_BYTES + payload_len]):
             raise CorruptBlock("payload checksum mismatch")
+        if self._mac_key is not None and not hmac.compare_digest(
+                bytes(slot[MAC_OFF: MAC_OFF + MAC_BYTES]), self._mac(slot, payload_len)):
+            # checked whatever ``verify`` says: xxh3 guards against accidents only
+            raise CorruptBlock("integrity check failed (block not written with this "
+                               "integrity_key_file)")
         return payload_len
 
     def close_index(self) -> None:
@@ -617,7 +687,8 @@ class Layout(LayoutIndex):
                  durable: bool = False, collect: bool = True,
                  dir_mode: int = DEFAULT_DIR_MODE, file_mode: int = DEFAULT_FILE_MODE,
                  allow_foreign_root: bool = False, publish_method: str = "link",
-                 rescan_interval_s: float = RESCAN_INTERVAL_S) -> None:
+                 rescan_interval_s: float = RESCAN_INTERVAL_S,
+                 integrity_key: bytes | None = None) -> None:
         """Open (creating what is missing) namespace ``ns`` under ``root``.
 
         ``max_disk_bytes`` > 0 bounds the namespace's published bytes (module docstring,
@@ -643,7 +714,7 @@ class Layout(LayoutIndex):
         resolve_publish_method(publish_method, "")  # a bad value fails before any mkdir
         self.dir_mode = check_mode(dir_mode, "dir_mode", 0o700)
         self.file_mode = check_mode(file_mode, "file_mode", 0o600)
-        super().__init__(root, ns)
+        super().__init__(root, ns, integrity_key)
         self.max_disk_bytes = max_disk_bytes
         self.durable = durable
         self.stats = LayoutStats()
@@ -841,6 +912,9 @@ class Layout(LayoutIndex):
                              self.ns.block_bytes, self._ns_digest, len(key), key, dg)
         hh = xxhash.xxh3_64_intdigest(slot[: HEADER_FMT.size])
         HEADER_HASH.pack_into(slot, HEADER_FMT.size, hh)
+        if self._mac_key is not None:
+            slot[MAC_OFF: MAC_OFF + MAC_BYTES] = (self._mac(slot, payload_len) if digest
+                                                  else bytes(MAC_BYTES))
         return total
 
     def seal_header(self, slot: memoryview, payload_len: int) -> None:
@@ -851,6 +925,8 @@ class Layout(LayoutIndex):
         struct.pack_into("<Q", slot, _DIGEST_OFF, dg)
         hh = xxhash.xxh3_64_intdigest(slot[: HEADER_FMT.size])
         HEADER_HASH.pack_into(slot, HEADER_FMT.size, hh)
+        if self._mac_key is not None:
+            slot[MAC_OFF: MAC_OFF + MAC_BYTES] = self._mac(slot, payload_len)
 
     # ------------------------------------------------------------------ publish
     def reserve(self, nbytes: int) -> bool:

@@ -443,3 +443,103 @@ def test_own_root_owned_by_this_user_is_accepted(tmp_path, ns, make_layout):
     lay = make_layout()
     assert os.stat(lay.root).st_uid == os.geteuid()
     assert lay.write_block(b"mine", payload(b"mine", BLOCK))
+
+
+# ------------------------------------------------------------------ keyed integrity
+def _forge(lay_nokey: Layout, key: bytes, data: bytes) -> None:
+    """What a writer WITHOUT the integrity key can do: a well-formed block (valid header
+    hash and xxh3 payload checksum) under the right name."""
+    assert lay_nokey.write_block(key, data)
+
+
+def test_keyed_integrity_refuses_forged_and_unkeyed_blocks(tmp_path, ns):
+    """With integrity_key_file set, a block verifies only if it was written with the key:
+    one forged by a writer who knows the format (and the xxh3) but not the key is a
+    corrupt block (a miss, removed), never served; the key's own blocks are hits."""
+    secret = b"0123456789abcdef-shared-secret"
+    keyed = Layout(str(tmp_path / "root"), ns, integrity_key=secret)
+    forger = Layout(str(tmp_path / "root"), ns)  # same files, no key
+    other = Layout(str(tmp_path / "root"), ns, integrity_key=b"another-secret-of-16+")
+    try:
+        good = payload(b"good", BLOCK)
+        assert keyed.write_block(b"good", good)
+        assert keyed.read_block(b"good") == good
+        assert keyed.read_block(b"good", verify=False) == good  # the MAC is checked anyway
+        assert forger.read_block(b"good") == good  # unkeyed readers are not protected
+        assert other.read_block(b"good") is None  # a different key does not verify it
+        assert keyed.write_block(b"good2", good)
+        # a forged block of a known prefix (say a system prompt) under its right name
+        _forge(forger, b"prompt", payload(b"attacker", BLOCK))
+        assert forger.read_block(b"prompt") is not None
+        assert keyed.read_block(b"prompt") is None
+        assert not keyed.exists(b"prompt")  # the corrupt file was removed
+        # a genuine block whose payload was changed and whose xxh3 / header hash were
+        # recomputed by the attacker (the xxh3 is no defence: it has no key)
+        path = keyed.path_for(b"good2")
+        with open(path, "rb") as f:
+            raw = bytearray(f.read())
+        mv = memoryview(raw)
+        n = len(good)
+        mv[4096: 4096 + 8] = b"EVILEVIL"
+        forger.seal_header(mv, n)  # valid header hash + checksum, old MAC left as it was
+        with open(path, "wb") as f:
+            f.write(raw)
+        assert forger.read_block(b"good2") is not None  # passes the unkeyed checks
+        assert keyed.read_block(b"good2") is None
+    finally:
+        for lay in (keyed, forger, other):
+            lay.close()
+
+
+def test_keyed_integrity_through_the_reactor(make_layout, make_reactor, ns):
+    """The reactor's stores seal the MAC in the background write-back, its loads verify
+    it: keyed blocks round-trip, a forged one is counted corrupt (a miss)."""
+    from helpers.kvutil import sentinel_buf
+
+    secret = b"reactor-secret-0123456789"
+    lay = make_layout(integrity_key=secret)
+    r = make_reactor(lay)
+    keys = [b"k0", b"k1"]
+    r.store("s", [(k, payload(k, BLOCK), BLOCK) for k in keys])
+    assert finish(r)["s"].ok == [True, True]
+    forger = make_layout()
+    _forge(forger, b"k2", payload(b"evil", BLOCK))
+    dests = [sentinel_buf(BLOCK) for _ in range(3)]
+    r.load("l", [(k, d, BLOCK) for k, d in zip([*keys, b"k2"], dests, strict=True)])
+    assert finish(r)["l"].ok == [True, True, False]
+    assert bytes(dests[0][:BLOCK]) == payload(b"k0", BLOCK)
+    assert r.stats.loads_corrupt == 1
+
+
+@pytest.mark.parametrize("content,mode,why", [
+    (b"short", 0o600, "at least 16"),
+    (b"x" * 32, 0o644, "readable by every user"),
+    (None, 0o600, "cannot be opened"),
+])
+def test_integrity_key_file_checks_name_the_key(tmp_path, content, mode, why):
+    from kvcache_core.layout import load_integrity_key
+
+    path = tmp_path / "key"
+    if content is not None:
+        path.write_bytes(content)
+        path.chmod(mode)
+    with pytest.raises(ConfigError, match=f"integrity_key_file.*{why}"):
+        load_integrity_key(str(path))
+    link = tmp_path / "link"
+    good = tmp_path / "good"
+    good.write_bytes(b"y" * 32)
+    good.chmod(0o600)
+    link.symlink_to(good)
+    assert load_integrity_key(str(good)) == b"y" * 32
+    with pytest.raises(ConfigError, match="cannot be opened"):
+        load_integrity_key(str(link))  # never through a symbolic link
+    with pytest.raises(ConfigError, match="integrity_key_file"):
+        StorageConfig(integrity_key_file="")
+
+
+def test_keyed_instances_get_their_own_namespace():
+    from kvcache_core.layout import integrity_key_id
+
+    a, b = integrity_key_id(b"k" * 20), integrity_key_id(b"j" * 20)
+    assert a != b and len(a) == 16 and a == integrity_key_id(b"k" * 20)
+    assert b"k" * 4 not in bytes.fromhex(a)  # an id, not the key

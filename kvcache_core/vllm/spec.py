@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ..config import ConfigError
+from ..layout import integrity_key_id, load_integrity_key
 from .manager import (
     GATE_COUNTERS,
     MANAGER_COUNTERS,
@@ -106,6 +107,12 @@ class PyKVCacheSpec(OffloadingSpec):
         model = self.options.model_id or config.model.name
         if self.options.model_identity:  # revision, quantization, config, weights (issue 12)
             model = f"{model}@{self.options.model_identity}"
+        #: the secret of ``integrity_key_file`` (None: no keyed integrity); keyed instances
+        #: get their own namespace, named by the key's public id
+        self.integrity_key = (load_integrity_key(self.storage.integrity_key_file)
+                              if self.storage.integrity_key_file else None)
+        if self.integrity_key is not None:
+            model = f"{model}+keyed-{integrity_key_id(self.integrity_key)}"
         self.rank = par.rank
         self.world_size = par.world_size
         self.namespaces = [
@@ -145,5 +152,6 @@ class PyKVCacheSpec(OffloadingSpec):
             self._worker = PyKVCacheWorker(
                 kv_caches, storage=self.storage, namespace=self.namespaces[self.rank],
                 pool=self.pool, blocks_per_chunk=self.blocks_per_chunk,
-                max_disk_bytes=self.max_disk_bytes_per_rank, rank=self.rank)
+                max_disk_bytes=self.max_disk_bytes_per_rank, rank=self.rank,
+                integrity_key=self.integrity_key)
         return self._worker

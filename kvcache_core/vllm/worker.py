@@ -85,7 +85,8 @@ class PyKVCacheWorker(OffloadingWorker):
 
     def __init__(self, kv_caches: CanonicalKVCaches, *, storage: StorageConfig,
                  namespace: Namespace, pool: PoolGeometry, blocks_per_chunk: int,
-                 max_disk_bytes: int, rank: int = 0) -> None:
+                 max_disk_bytes: int, rank: int = 0,
+                 integrity_key: bytes | None = None) -> None:
         self.kv = KVGeometry(kv_caches.tensors, kv_caches.group_data_refs, blocks_per_chunk)
         if self.kv.max_payload > namespace.block_bytes:
             raise RuntimeError(
@@ -100,7 +101,8 @@ class PyKVCacheWorker(OffloadingWorker):
                              durable=storage.durable, dir_mode=storage.dir_mode,
                              file_mode=storage.file_mode,
                              allow_foreign_root=storage.allow_foreign_root,
-                             publish_method=storage.publish_method)
+                             publish_method=storage.publish_method,
+                             integrity_key=integrity_key)
         try:
             self.reactor = Reactor(
                 self.layout, n_slots=pool.n_staging, external_slots=pool.n_dram,
