@@ -8,7 +8,8 @@
    (default ./.kvcache-demo), GPU prefix cache off so that a repeat must come from
    py-kvcache, ``PYTHONHASHSEED=0`` so the keys are stable across restarts.
 3. Sends one long document twice with the OpenAI client (streaming, 1 output token),
-   prints TTFT miss vs hit and py-kvcache's counters, then stops the server.
+   prints TTFT miss vs hit and py-kvcache's series from vLLM's /metrics (what Prometheus
+   scrapes: gauges and counters), then stops the server.
 
 Environment: MODEL, KVCACHE_ROOT, PORT (8000), DOC_TOKENS (6000), KEEP_SERVER=1 to leave
 the server running (Ctrl-C to stop).
@@ -106,10 +107,7 @@ def main() -> int:
         root = os.path.join(REPO, ".kvcache-demo")
         shutil.rmtree(root, ignore_errors=True)
     root = os.path.abspath(root)
-    stats_file = os.path.join(root, "stats.json")
     os.makedirs(root, exist_ok=True)
-    if os.path.exists(stats_file):
-        os.unlink(stats_file)
     extra = {"spec_name": "PyKVCacheSpec", "spec_module_path": "kvcache_core.vllm",
              "root_dir": root, "block_size": 256, "staging_bytes": 256 << 20,
              "io_depth": 4, "lookahead": 4, "copy_headroom": 2,
@@ -125,7 +123,7 @@ def main() -> int:
            "--kv-transfer-config", json.dumps(ktc)]
     if dummy:
         cmd += ["--load-format", "dummy"]
-    env = dict(os.environ, PYTHONHASHSEED="0", KVCACHE_STATS_FILE=stats_file,
+    env = dict(os.environ, PYTHONHASHSEED="0",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                TORCHDYNAMO_DISABLE="1")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -146,9 +144,17 @@ def main() -> int:
         log(f"second request (hit, loads the prefix from py-kvcache):  TTFT {hit:.3f} s")
         log(f"speed-up {miss / hit:.2f}x")
         time.sleep(1.5)
-        if os.path.exists(stats_file):
-            with open(stats_file) as f:
-                log("py-kvcache counters: " + f.read().strip())
+        # what an operator's Prometheus scrapes: vLLM's /metrics, py-kvcache's series
+        sys.path.insert(0, REPO)
+        from kvcache_core.bench.sharegpt import scrape_metrics
+
+        met = scrape_metrics(port)
+        if met:
+            log(f"py-kvcache on http://127.0.0.1:{port}/metrics (vllm:pykvcache_*): " + ", ".join(
+                f"{k.removeprefix('vllm:pykvcache_')}={v:g}" for k, v in sorted(met.items())
+                if v))
+        else:
+            log("no py-kvcache series on /metrics (stats logging off?)")
         if os.environ.get("KEEP_SERVER") == "1":
             log(f"server stays up on port {port}; Ctrl-C to stop")
             proc.wait()
