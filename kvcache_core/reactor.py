@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .copy import Copier, NullCopier
+from .flags import IN_SLOT, NO_DISK
 from .io import IOEngine, make_engine, probe_direct
 from .layout import HEADER_BYTES, MAX_KEY_BYTES, CapacityExceeded, CorruptBlock, Layout
 from .staging import Priority, SlotAllocator, StagingPool
@@ -63,9 +64,7 @@ from .staging import Priority, SlotAllocator, StagingPool
 log = logging.getLogger(__name__)
 
 LOAD, STORE = 0, 1
-# item flags
-IN_SLOT = 1   # load: the bytes are already in the (external) slot, skip the disk
-NO_DISK = 2   # store: fill the (external) slot only, do not write a file
+# item flags (public ones in kvcache_core.flags, shared with the vLLM glue)
 SUPERSEDED = 1 << 8  # (internal) preload replaced by a foreground load of its key
 PREEMPTED = 1 << 9   # (internal) preload to close and re-queue when its open completes
 # task states

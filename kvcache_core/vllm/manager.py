@@ -58,8 +58,8 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ..breakeven import GATE_TIERS
+from ..flags import IN_SLOT
 from ..layout import LayoutIndex, Namespace
-from ..reactor import IN_SLOT
 from ..staging import SlotAllocator
 from .specs import PyKVLoadSpec, PyKVStoreSpec
 

@@ -61,8 +61,9 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ..config import StorageConfig
+from ..flags import IN_SLOT, NO_DISK
 from ..layout import Layout, Namespace
-from ..reactor import IN_SLOT, NO_DISK, Completion, Reactor
+from ..reactor import Completion, Reactor
 from ..staging import Priority
 from .options import PoolGeometry
 from .specs import PyKVLoadSpec, PyKVStoreSpec
