@@ -622,11 +622,12 @@ def lmcache_env(args, root: str) -> dict[str, str]:
     disk tier under the configuration's root, bounded like py-kvcache's
     (``max_disk_bytes``, else 80 % of the free space)."""
     disk = args._max_disk_bytes or int(shutil.disk_usage(args.root).free * 0.8)
+    # LMCache 0.5.2 reads both sizes in GiB (lmcache/v1/config.py; docs/lmcache-on-h200.md);
+    # its chunk keys use Python's hash: the servers run with PYTHONHASHSEED=0
     return {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
-            "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{args.cpu_bytes / 1e9:.2f}",
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{args.cpu_bytes / (1 << 30):.3f}",
             "LMCACHE_LOCAL_DISK": f"file://{root}/",
-            "LMCACHE_MAX_LOCAL_DISK_SIZE": f"{disk / 1e9:.2f}",
-            "LMCACHE_USE_EXPERIMENTAL": "True"}
+            "LMCACHE_MAX_LOCAL_DISK_SIZE": f"{disk / (1 << 30):.3f}"}
 
 
 def server_cmd(args, cfg: str, model_dir: str, name: str, port: int) -> list[str]:
