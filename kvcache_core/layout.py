@@ -153,6 +153,8 @@ SCAN_WATER = 0.75
 RESCAN_INTERVAL_S = 2.0
 #: shortest time between two candidate scans of one Layout (requested ones included)
 MIN_RESCAN_GAP_S = 0.2
+#: shortest gap before a store's own fallback walk (:meth:`Layout._fallback_scan`)
+HOT_RESCAN_MIN_GAP_S = 0.02
 #: and at least this many times the last scan's wall time: a Layout's scans take at most
 #: ~1/(1+SCAN_DUTY) of its evictor thread's time; a big namespace or many processes
 #: scanning on few cores (slower scans) make every process scan less often
@@ -532,6 +534,9 @@ class LayoutStats:
     #: full walks of the namespace by this Layout: candidate scans (evictor thread and
     #: construction), ledger resyncs and dead-writer collections. Never on a reserve.
     rescans: int = 0
+    #: of those, walks a store ran itself (candidates exhausted by other processes
+    #: before the evictor's next scan; never under the ledger lock, rate-limited)
+    rescans_hot: int = 0
     #: files evicted by the evictor thread in the background (part of evicted_files)
     evicted_background: int = 0
 
@@ -769,6 +774,7 @@ class Layout(LayoutIndex):
         self._scan_wall = 0.0  # time.time() when the last scan started
         self._scan_mono = -1e9  # time.monotonic() when the last scan ended
         self._scan_gap = MIN_RESCAN_GAP_S  # shortest wait before the next scan
+        self._scan_took = 0.0  # seconds the last scan took
         self._sole_writer = False  # the last scan saw no other writer of the namespace
         self._scan_wanted = False
         self.rescan_interval_s = float(rescan_interval_s)
@@ -934,8 +940,11 @@ class Layout(LayoutIndex):
 
         Hot path (reactor thread): reads the ledger; only when the block does not fit,
         runs ONE eviction batch (at most :data:`EVICT_BATCH` candidates, under the ledger
-        lock) toward 90% of the bound minus the block. Never walks the namespace (a rescan
-        it needs is requested from the evictor thread) and never waits for room.
+        lock) toward 90% of the bound minus the block. Never walks the namespace under the
+        lock and never waits for room: a rescan it needs is requested from the evictor
+        thread; only when no candidate is left at all (other processes evicted them) does
+        it walk once itself, unlocked and rate-limited (:meth:`_fallback_scan`), before
+        dropping the store.
 
         Returns False when the store must be dropped: the block is larger than the bound
         (``dropped_over_capacity``) or the batch did not free enough room
@@ -950,12 +959,43 @@ class Layout(LayoutIndex):
             return False
         if self.ledger.get() + nbytes <= m:
             return True
+        target = max(0, int(m * LOW_WATER) - nbytes)
         with self.ledger.locked():
-            used = self._evict_locked(max(0, int(m * LOW_WATER) - nbytes), EVICT_BATCH)
+            used = self._evict_locked(target, EVICT_BATCH)
+        if used + nbytes > m and self._fallback_scan():
+            with self.ledger.locked():
+                used = self._evict_locked(target, EVICT_BATCH)
         if used + nbytes <= m:
             return True
         self.stats.dropped_full += 1
         return False
+
+    def _fallback_scan(self) -> bool:
+        """A store found no candidate left (other processes evicted every file this
+        Layout knew before the evictor's next scan): rather than drop it, walk the
+        namespace here, WITHOUT the ledger lock (other processes keep publishing and
+        evicting), at most once per :data:`MIN_RESCAN_GAP_S` and never beside the
+        evictor's own scan. True when it ran (counted in ``rescans_hot``)."""
+        # duty-cycle bound: at most ~1/SCAN_DUTY of the time walking (a 1 ms walk may
+        # repeat after 20 ms, a 200 ms walk of a huge namespace after 2 s)
+        gap = max(HOT_RESCAN_MIN_GAP_S, SCAN_DUTY * self._scan_took)
+        if time.monotonic() - self._scan_mono < gap:
+            return False
+        with self._cand_lock:
+            if self._scanning or self._lru:
+                return False
+        self.scan()
+        self.stats.rescans_hot += 1
+        return True
+
+    def _room_before_publish(self, nbytes: int) -> None:
+        """Outside the lock, before a publish that would not fit and finds no candidate
+        left: the fallback walk, so that the batch under the lock has candidates."""
+        if self.ledger.get() + nbytes > self.max_disk_bytes:
+            with self._cand_lock:
+                empty = not self._lru
+            if empty:
+                self._fallback_scan()
 
     def _admit_locked(self, final: str, nbytes: int) -> bool:
         """Under the ledger lock, just before a publish: whether ``nbytes`` more fit the
@@ -993,18 +1033,24 @@ class Layout(LayoutIndex):
         """
         if self._chmod_tmp:  # the temp was created DEFAULT_FILE_MODE (engine default)
             os.chmod(tmp, self.file_mode)
+        if self.max_disk_bytes:
+            self._room_before_publish(nbytes)
         if self.publish_method == "rename":
             return self._publish_rename(tmp, final, nbytes)
-        with self.ledger.locked():  # check + link + add atomic w.r.t. other processes
-            if not self._admit_locked(final, nbytes):
+        for attempt in (0, 1):
+            with self.ledger.locked():  # check + link + add atomic w.r.t. other processes
+                if self._admit_locked(final, nbytes):
+                    try:
+                        os.link(tmp, final)
+                    except FileExistsError:
+                        self.stats.publish_existing += 1
+                        os.unlink(tmp)
+                        return False
+                    self.ledger.add(nbytes)
+                    break
+            # no room and no candidate left: one unlocked fallback walk, then once more
+            if attempt or not self._fallback_scan():
                 self._drop_full(tmp, nbytes)
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                self.stats.publish_existing += 1
-                os.unlink(tmp)
-                return False
-            self.ledger.add(nbytes)
         os.unlink(tmp)
         self.stats.published += 1
         if self.max_disk_bytes:
@@ -1034,15 +1080,18 @@ class Layout(LayoutIndex):
         finding the ledger over target with no candidate left, a dead writer's collection,
         or a reopened ``.usage``) sets it back to the bytes on disk.
         """
-        with self.ledger.locked():
-            if os.path.lexists(final):
-                self.stats.publish_existing += 1
-                self.discard(tmp)
-                return False
-            if not self._admit_locked(final, nbytes):
+        for attempt in (0, 1):
+            with self.ledger.locked():
+                if os.path.lexists(final):
+                    self.stats.publish_existing += 1
+                    self.discard(tmp)
+                    return False
+                if self._admit_locked(final, nbytes):
+                    os.rename(tmp, final)
+                    self.ledger.add(nbytes)
+                    break
+            if attempt or not self._fallback_scan():  # as in publish()
                 self._drop_full(tmp, nbytes)
-            os.rename(tmp, final)
-            self.ledger.add(nbytes)
         self.stats.published += 1
         if self.max_disk_bytes:
             self._push_candidate(final)
@@ -1122,7 +1171,8 @@ class Layout(LayoutIndex):
         candidates, never to set the ledger; :meth:`resync` does that under the lock).
         Temp files are not candidates; links are never followed. Files this Layout
         publishes during the walk are kept. Runs at construction and on the evictor
-        thread, or from tools; never from :meth:`reserve`. Counted in ``stats.rescans``.
+        thread, or from tools; from :meth:`reserve` only as :meth:`_fallback_scan`.
+        Counted in ``stats.rescans``.
         """
         started = time.time()
         with self._cand_lock:
@@ -1157,7 +1207,8 @@ class Layout(LayoutIndex):
             self._scan_wall = started
             self._sole_writer = writers <= 1
         self._scan_mono = time.monotonic()
-        self._scan_gap = max(MIN_RESCAN_GAP_S, SCAN_DUTY * max(0.0, took))
+        self._scan_took = max(0.0, took)
+        self._scan_gap = max(MIN_RESCAN_GAP_S, SCAN_DUTY * self._scan_took)
         self.stats.rescans += 1
         return n, total
 

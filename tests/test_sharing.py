@@ -99,7 +99,7 @@ def test_processes_share_under_concurrent_eviction(tmp_path):
         assert res["wrong"] == [], res  # a load may miss, never return wrong data
         assert s["loads_corrupt"] == 0 and s["loads_error"] == 0, s
         assert s["stores_error"] == 0 and s["errors"] == {}, s
-        assert res["store_failed"] == 0, res
+        assert res["store_failed"] == 0, (res["store_failed"], s["layout"])
         loaded += res["loaded"]
         missed += res["missed"]
         evicted += s["layout"]["evicted_files"]
