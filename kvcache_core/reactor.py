@@ -932,6 +932,9 @@ class Reactor:
             self.engine.close((t.tid << OP_BITS) | OP_WCLOSE, t.fd)
         elif op == OP_WCLOSE:
             t.fd = -1
+            if res < 0:  # close reports a deferred write error (NFS, FUSE): not complete
+                self._store_failed(t, "close", res)
+                return
             try:
                 published = self.layout.publish(t.tmp, t.final, t.wlen)
             except OSError as e:
