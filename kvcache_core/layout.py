@@ -837,7 +837,7 @@ class Layout(LayoutIndex):
                     path)
 
     # ------------------------------------------------------------------ naming
-    def temp_path_for(self, key: bytes) -> tuple[str, str]:
+    def temp_path_for(self, key: bytes, remake: bool = False) -> tuple[str, str]:
         """(temp path, final path) for a new file of ``key``; creates the directory.
 
         The shard directories are created ``dir_mode``; a symbolic link found where one
@@ -845,6 +845,8 @@ class Layout(LayoutIndex):
         Checked once per directory per instance (then cached: no syscall)."""
         final = self.path_for(key)
         d = final[: final.rfind("/")]
+        if remake:  # a create in it failed with ENOENT/ESTALE: check and make it again
+            self._made_dirs.discard(d)
         if d not in self._made_dirs:
             if self.publish_method == "rename":
                 # Distributed filesystem: two clients racing to mkdir the same shard

@@ -121,6 +121,8 @@ class ReactorStats:
     stores_dropped_enospc: int = 0
     stores_dropped_capacity: int = 0
     stores_dropped_backpressure: int = 0
+    #: temp-file creates retried once after ENOENT/ESTALE (shard directory made again)
+    temp_reopens: int = 0
     stores_error: int = 0
     #: store/promotion tasks that found their caller-owned slot still being written from
     #: (they wait for that write; a caller that keeps such slots pinned sees 0)
@@ -151,7 +153,8 @@ class ReactorStats:
 class _Task:
     __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
                  "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags",
-                 "payload", "nread", "copied", "xslot", "depth", "t_op", "expired")
+                 "payload", "nread", "copied", "xslot", "depth", "t_op", "expired",
+                 "reopened")
 
     def reset(self) -> None:
         self.ref = None
@@ -170,6 +173,7 @@ class _Task:
         self.state = Q
         self.t_op = 0.0  # time.monotonic() when its current file operation was submitted
         self.expired = False  # reported failed; waits for its operation's completion
+        self.reopened = False  # its temp-file create was retried once (shard dir made again)
 
 
 class _Request:
@@ -901,6 +905,20 @@ class Reactor:
             t.nread = res
             self._verify.append(t)
         elif op == OP_WOPEN:
+            if res in (-_errno.ENOENT, -_errno.ESTALE) and not t.reopened:
+                # The shard directory is gone or stale: removed by `kvcache purge`/gc, or
+                # a mkdir race between two clients of a distributed filesystem (GlusterFS
+                # keeps a stale entry for about a second). Make it again, retry once.
+                t.reopened = True
+                self.stats.temp_reopens += 1
+                try:
+                    t.tmp, t.final = self.layout.temp_path_for(t.key, remake=True)
+                except OSError as e:
+                    self._store_failed(t, "mkdir", -(e.errno or _errno.EIO))
+                    return
+                t.t_op = time.monotonic()
+                self.engine.open((t.tid << OP_BITS) | OP_WOPEN, t.tmp, self._wflags)
+                return
             if res < 0:
                 self._store_failed(t, "open", res)
                 return

@@ -146,3 +146,39 @@ def test_injected_unlink_errors_in_eviction_are_counted(make_layout, monkeypatch
 def lay_file_bytes(make_layout) -> int:
     probe = make_layout()
     return probe.ns.file_bytes
+
+
+def test_vanished_shard_directory_is_made_again(make_layout):
+    """A shard directory removed after this process made it (``kvcache purge``/gc, or a
+    GlusterFS client whose mkdir lost a race keeps a stale entry): the temp-file create
+    fails with ENOENT once, the directory is made again and the store succeeds."""
+    import shutil
+
+    lay = make_layout()
+    r = _reactor(lay, PosixEngine(4))
+    try:
+        r.store("a", [(b"k", payload(b"k", BLOCK), BLOCK)])
+        assert finish(r)["a"].ok == [True]
+        shard = os.path.dirname(os.path.dirname(lay.path_for(b"k")))
+        shutil.rmtree(shard)  # the whole ab/ level, under the layout's feet
+        r.store("b", [(b"k", payload(b"k", BLOCK), BLOCK)])
+        assert finish(r)["b"].ok == [True]
+        assert r.stats.temp_reopens == 1 and r.stats.stores_error == 0
+        assert lay.read_block(b"k") == payload(b"k", BLOCK)
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("err", [errno.ENOENT, errno.ESTALE], ids=errno.errorcode.get)
+def test_temp_create_retried_once_then_counted(make_layout, err):
+    lay = make_layout()
+    r = _reactor(lay, FaultyEngine(4, OP_WOPEN, err, count=3))
+    try:
+        r.store("s", [(b"x", payload(b"x", BLOCK), BLOCK)])
+        assert finish(r)["s"].ok == [False]  # failed again after its one retry
+        assert r.stats.temp_reopens == 1 and r.stats.stores_error == 1
+        r.store("t", [(b"y", payload(b"y", BLOCK), BLOCK)])  # 1 injected failure left
+        assert finish(r)["t"].ok == [True]
+        assert r.stats.temp_reopens == 2
+    finally:
+        r.close()
