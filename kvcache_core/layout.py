@@ -154,7 +154,7 @@ RESCAN_INTERVAL_S = 2.0
 #: shortest time between two candidate scans of one Layout (requested ones included)
 MIN_RESCAN_GAP_S = 0.2
 #: shortest gap before a store's own fallback walk (:meth:`Layout._fallback_scan`)
-HOT_RESCAN_MIN_GAP_S = 0.02
+HOT_RESCAN_MIN_GAP_S = 0.002
 #: and at least this many times the last scan's wall time: a Layout's scans take at most
 #: ~1/(1+SCAN_DUTY) of its evictor thread's time; a big namespace or many processes
 #: scanning on few cores (slower scans) make every process scan less often
@@ -973,18 +973,19 @@ class Layout(LayoutIndex):
         return False
 
     def _fallback_scan(self) -> bool:
-        """A store found no candidate left (other processes evicted every file this
-        Layout knew before the evictor's next scan): rather than drop it, walk the
-        namespace here, WITHOUT the ledger lock (other processes keep publishing and
-        evicting), at most once per :data:`MIN_RESCAN_GAP_S` and never beside the
-        evictor's own scan. True when it ran (counted in ``rescans_hot``)."""
+        """A store found no room after one batch (other processes evicted the files this
+        Layout knew, or touched them, before the evictor's next scan): rather than drop
+        it, walk the namespace here, WITHOUT the ledger lock (other processes keep
+        publishing and evicting), never beside the evictor's own scan, and at most
+        ~1/SCAN_DUTY of the time (a 1 ms walk may repeat after 10 ms, a 200 ms walk of a
+        huge namespace after 2 s). True when it ran (counted in ``rescans_hot``)."""
         # duty-cycle bound: at most ~1/SCAN_DUTY of the time walking (a 1 ms walk may
-        # repeat after 20 ms, a 200 ms walk of a huge namespace after 2 s)
+        # repeat after 10 ms, a 200 ms walk of a huge namespace after 2 s)
         gap = max(HOT_RESCAN_MIN_GAP_S, SCAN_DUTY * self._scan_took)
         if time.monotonic() - self._scan_mono < gap:
             return False
         with self._cand_lock:
-            if self._scanning or self._lru:
+            if self._scanning:
                 return False
         self.scan()
         self.stats.rescans_hot += 1
