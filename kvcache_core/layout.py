@@ -474,6 +474,9 @@ class Ledger:
                                                 current_umask() if umask is None else umask)
         self._lock = threading.RLock()
         self._depth = 0
+        #: the total this process last read or wrote (no syscall to look at it: the
+        #: worker reports it as the ``disk_bytes`` gauge from vLLM's engine thread)
+        self.last = self._read()
 
     @contextlib.contextmanager
     def locked(self):
@@ -500,11 +503,13 @@ class Ledger:
             new = max(0, self._read() + delta)
             if delta:
                 os.pwrite(self._fd, new.to_bytes(8, "little", signed=True), 0)
+            self.last = new
             return new
 
     def set(self, value: int) -> None:
         with self.locked():
             os.pwrite(self._fd, int(value).to_bytes(8, "little", signed=True), 0)
+            self.last = int(value)
 
     def get(self) -> int:
         return self.add(0)
@@ -512,7 +517,8 @@ class Ledger:
     def peek(self) -> int:
         """The ledger read WITHOUT the lock (one 8-byte ``pread``): a hint for the
         evictor's decisions, never a base for an update."""
-        return self._read()
+        self.last = self._read()
+        return self.last
 
     def close(self) -> None:
         os.close(self._fd)

@@ -56,6 +56,8 @@ PANELS: list[tuple[str, str, str, list[dict]]] = [
     ("DRAM tier occupancy (slots)", "none", "timeseries",
      [_gauge("dram_slots", "slots"), _gauge("dram_cached", "holding a block"),
       _gauge("dram_writeback_pinned", "pinned until written")]),
+    ("Disk tier occupancy", "bytes", "timeseries",
+     [_gauge("disk_bytes", "published bytes (shared ledger)")]),
     ("Jobs in flight (chunks)", "none", "timeseries",
      [_gauge("stores_in_flight", "stores"), _gauge("loads_in_flight", "loads")]),
     ("Failures (per s)", "ops", "timeseries",

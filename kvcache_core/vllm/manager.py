@@ -113,6 +113,8 @@ MANAGER_GAUGES: dict[str, str] = {
     "dram_cached": "DRAM-tier slots holding a block.",
     "dram_writeback_pinned": "DRAM-tier slots pinned until their file is written.",
     "stores_in_flight": "Chunks whose store job is not complete yet.",
+    "disk_bytes": "Bytes of the published files of this engine's namespaces (the ledger "
+    "shared by every process using them, as last seen by the workers, summed over ranks).",
     "loads_in_flight": "Chunks whose load job is not complete yet.",
 }
 #: Counters of the connector's break-even gate (``breakeven_table``), one decision per
@@ -704,7 +706,8 @@ class PyKVCacheManager(OffloadingManager):
         return {"healthy": int(self.healthy), "dram_slots": self.n_dram,
                 "dram_cached": self.dram.cached if self.dram is not None else 0,
                 "dram_writeback_pinned": len(self._wb_pinned),
-                "stores_in_flight": len(self._storing), "loads_in_flight": len(self._loading)}
+                "stores_in_flight": len(self._storing), "loads_in_flight": len(self._loading),
+                "disk_bytes": self.counters.get("disk_bytes", 0)}
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Counter deltas since the last call and the gauges when any changed (vLLM calls
@@ -716,6 +719,8 @@ class PyKVCacheManager(OffloadingManager):
 
         delta = {}
         for k, v in (*self.counters.items(), *self.extra_counters.items()):
+            if k in MANAGER_GAUGES:  # reported by the workers as deltas, exposed as gauges
+                continue
             d = v - self._reported.get(k, 0)
             if d:
                 delta[k] = d

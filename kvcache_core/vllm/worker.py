@@ -382,7 +382,9 @@ class PyKVCacheWorker(OffloadingWorker):
                     bytes_written=s.bytes_written, disk_evicted_files=ls.evicted_files,
                     preloads_staged=s.preload_staged, preloads_claimed=s.preload_claimed,
                     preloads_joined=s.preload_joined, preloads_deduped=s.preload_deduped,
-                    preloads_requeued=s.spec_requeued)
+                    preloads_requeued=s.spec_requeued,
+                    # a gauge sent as deltas (the scheduler sums them: total over ranks)
+                    disk_bytes=self.layout.ledger.last)
         return snap
 
     def _check_health(self) -> None:

@@ -533,6 +533,33 @@ def test_manager_stats_file_written_off_the_scheduler_thread(tmp_path, vllm_avai
     assert writers and set(writers) == {"kvcache-stats"}
 
 
+def test_disk_bytes_is_a_gauge_summed_over_ranks(tmp_path, vllm_available):
+    """The workers send the namespace ledger they last saw (``disk_bytes``) as deltas;
+    the scheduler exposes the sum over ranks as a Prometheus gauge, never as a counter
+    (it goes down when files are evicted)."""
+    from kvcache_core.layout import Ledger
+    from kvcache_core.vllm.manager import METRIC_PREFIX, PyKVCacheManager
+
+    led = Ledger(str(tmp_path / ".usage"))
+    try:
+        assert led.last == 0
+        assert led.add(300) == 300 and led.last == 300
+        led.set(120)
+        assert led.last == 120
+    finally:
+        led.close()
+    m = PyKVCacheManager(str(tmp_path), [Namespace("m", "bf16", 256, 1 << 16)], n_dram=2)
+    m.on_worker_report(set(), {"disk_bytes": 1000, "chunks_loaded_disk": 1})
+    m.on_worker_report(set(), {"disk_bytes": 500})  # a second rank's namespace
+    st = m.get_stats()
+    types, vals = st.data["types"], st.data["data"]
+    assert types[METRIC_PREFIX + "disk_bytes"] == "gauge"
+    assert types[METRIC_PREFIX + "chunks_loaded_disk"] == "counter"
+    assert sum(vals[METRIC_PREFIX + "disk_bytes"].values()) == 1500
+    m.on_worker_report(set(), {"disk_bytes": -700})  # evictions
+    assert m.stats()["disk_bytes"] == 800
+
+
 def test_manager_concurrent_loads_of_one_block_read_it_once(tmp_path, vllm_available):
     """While one request reads a disk block into the DRAM tier, another request's lookup
     of that block is HIT_PENDING (vLLM retries it next step) and then a DRAM hit: one
