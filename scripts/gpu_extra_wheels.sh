@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Download the wheels that LMCache 0.5.2 needs on the GPU machine (Python 3.12, torch
+# Download the extra wheels of the GPU runs (.gpu/extra): vLLM's OpenAI server's two
+# missing packages, py-spy, and those that LMCache 0.5.2 needs (Python 3.12, torch
 # 2.11.0+cu130, vLLM 0.26.0 runtime from ../shared/gpu/make-runtime.sh) so that vLLM's
 # LMCacheConnectorV1 imports and constructs with a local CPU + local disk backend.
 # Everything else LMCache imports on that path is already in the image or in the
@@ -13,7 +14,10 @@
 set -euo pipefail
 DIR=$(realpath -m "${1:-.gpu/extra}")
 mkdir -p "$DIR"
-WHEELS="lmcache==0.5.2 aiofile==3.12.3 caio==0.12.10"
+# vLLM's OpenAI server needs jmespath and model-hosting-container-standards (not in the
+# runtime); py-spy (its wheel holds the binary: h200_runs.sh unpacks it) for PROFILE=
+WHEELS="lmcache==0.5.2 aiofile==3.12.3 caio==0.12.10 jmespath==1.0.1
+        model-hosting-container-standards==0.1.16 py-spy==0.4.3"
 PLAT="--python-version 3.12 --implementation cp --only-binary=:all:"
 # no manylinux_2_34: caio then comes as its pure-Python wheel (py3-none-any), which
 # needs no particular glibc; aiofile is only imported on this path, never used
@@ -28,7 +32,7 @@ for w in $WHEELS; do
 done
 # every pinned wheel must be there, exactly once
 for w in $WHEELS; do
-  name=${w%%==*}; ver=${w##*==}
+  name=${w%%==*}; name=${name//-/_}; ver=${w##*==}  # wheel names use underscores
   n=$(ls "$DIR"/${name}-${ver}-*.whl 2>/dev/null | wc -l)
   if [ "$n" -ne 1 ]; then
     echo "ERROR: expected one ${name}-${ver}-*.whl in $DIR, found $n" >&2
