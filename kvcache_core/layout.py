@@ -110,6 +110,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 
+import blake3
 import xxhash
 
 from .config import check_mode
@@ -202,16 +203,12 @@ MIN_KEY_BYTES = 16
 
 def _mac_key(secret: bytes) -> bytes:
     """The 32-byte BLAKE3 key derived from an integrity secret of any length."""
-    import blake3
-
     return blake3.blake3(secret, derive_key_context="py-kvcache 2026 block MAC").digest()
 
 
 def integrity_key_id(secret: bytes) -> str:
     """A public 16-hex id of an integrity secret (it names the keyed namespace, so keyed
     and unkeyed instances, or two keys, never share files); reveals nothing of the key."""
-    import blake3
-
     return blake3.blake3(secret, derive_key_context="py-kvcache 2026 key id").hexdigest()[:16]
 
 
@@ -570,8 +567,6 @@ class LayoutIndex:
     def _mac(self, slot: memoryview, payload_len: int) -> bytes:
         """Keyed BLAKE3 of the header fields (digest included) and the payload; BLAKE3
         hashes large inputs on several threads with the GIL released."""
-        import blake3
-
         h = blake3.blake3(key=self._mac_key, max_threads=blake3.blake3.AUTO)
         h.update(slot[: HEADER_FMT.size])
         h.update(slot[HEADER_BYTES: HEADER_BYTES + payload_len])
@@ -1004,15 +999,6 @@ class Layout(LayoutIndex):
         self.stats.rescans_hot += 1
         return True
 
-    def _room_before_publish(self, nbytes: int) -> None:
-        """Outside the lock, before a publish that would not fit and finds no candidate
-        left: the fallback walk, so that the batch under the lock has candidates."""
-        if self.ledger.get() + nbytes > self.max_disk_bytes:
-            with self._cand_lock:
-                empty = not self._lru
-            if empty:
-                self._fallback_scan()
-
     def _admit_locked(self, final: str, nbytes: int) -> bool:
         """Under the ledger lock, just before a publish: whether ``nbytes`` more fit the
         bound, after at most one eviction batch. True as well when ``final`` already
@@ -1049,8 +1035,6 @@ class Layout(LayoutIndex):
         """
         if self._chmod_tmp:  # the temp was created DEFAULT_FILE_MODE (engine default)
             os.chmod(tmp, self.file_mode)
-        if self.max_disk_bytes:
-            self._room_before_publish(nbytes)
         if self.publish_method == "rename":
             return self._publish_rename(tmp, final, nbytes)
         for attempt in (0, 1):

@@ -3,27 +3,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 
 import pytest
+from helpers.kvutil import load_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "make_dashboard", os.path.join(REPO, "scripts", "make_dashboard.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_committed_dashboard_is_current():
     with open(os.path.join(REPO, "docs", "grafana", "py-kvcache.json")) as f:
-        assert f.read() == _script().render(), "run scripts/make_dashboard.py"
+        assert f.read() == load_script("make_dashboard").render(), "run scripts/make_dashboard.py"
 
 
 def test_every_pykvcache_series_exists():
@@ -36,7 +28,7 @@ def test_every_pykvcache_series_exists():
     exposed = {n + ("_total" if isinstance(m, OffloadingCounterMetadata) else ""): n
                for n, m in defs.items()}
     used = set()
-    for panel in json.loads(_script().render())["panels"]:
+    for panel in json.loads(load_script("make_dashboard").render())["panels"]:
         for t in panel["targets"]:
             used |= set(re.findall(r"vllm:pykvcache_[a-z_]+", t["expr"]))
     assert used, "the dashboard queries no py-kvcache series"

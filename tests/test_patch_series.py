@@ -7,7 +7,6 @@ result sets. Fast, no network, no vLLM import."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,21 +15,14 @@ import subprocess
 import tarfile
 
 import pytest
+from helpers.kvutil import load_script
 
 from kvcache_core import patching
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _rebase_module():
-    spec = importlib.util.spec_from_file_location(
-        "patch_rebase", os.path.join(REPO, "scripts", "patch_rebase.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rebase = _rebase_module()
+rebase = load_script("patch_rebase")
 
 
 # ------------------------------------------------------------------ series selection

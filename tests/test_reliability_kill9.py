@@ -5,22 +5,11 @@ opens the layout collects every temp file the dead writer left and resyncs the l
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(os.path.dirname(HERE), "scripts", "reliability_kill9.py")
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("reliability_kill9", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers.kvutil import load_script
 
 
 def test_kill9_leaves_no_torn_file_and_temps_are_collected(tmp_path):
-    s = _load().run(30, seed=7, workdir=str(tmp_path))
+    s = load_script("reliability_kill9").run(30, seed=7, workdir=str(tmp_path))
     assert s["failures"] == [], s["failures"][:3]
     assert s["torn_files_visible"] == 0
     assert s["final_files_checked"] > 0

@@ -58,7 +58,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import gzip
 import importlib.util
 import json
 import math
@@ -305,12 +304,10 @@ def load_tokenizer():
 
 
 def write_workload(path: str, reqs: list[dict]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with gzip.open(tmp, "wt", compresslevel=9) as f:
-        for r in reqs:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
-    os.replace(tmp, path)
+    """The ``kvcache workload`` file format (``kvcache_core.workloads.write_workload``)."""
+    from ..workloads import write_workload as write
+
+    write(path, reqs)
 
 
 def read_workload(path: str, n: int | None = None) -> list[dict]:

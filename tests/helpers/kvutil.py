@@ -29,6 +29,17 @@ BLOCK = 64 * KiB
 SENTINEL = 0xEE
 
 
+def load_script(name: str):
+    """Import ``scripts/<name>.py`` (not a package) as a module, for its tests."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts",
+                                                                     f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def payload(key: bytes, n: int) -> bytes:
     """Deterministic pseudo-random ``n`` bytes for ``key``."""
     return random.Random(b"kvtest:" + key).randbytes(n)
