@@ -1048,7 +1048,7 @@ class Layout(LayoutIndex):
                         return False
                     self.ledger.add(nbytes)
                     break
-            # no room and no candidate left: one unlocked fallback walk, then once more
+            # no room after one batch: one unlocked fallback walk, then once more
             if attempt or not self._fallback_scan():
                 self._drop_full(tmp, nbytes)
         os.unlink(tmp)
@@ -1171,7 +1171,8 @@ class Layout(LayoutIndex):
         candidates, never to set the ledger; :meth:`resync` does that under the lock).
         Temp files are not candidates; links are never followed. Files this Layout
         publishes during the walk are kept. Runs at construction and on the evictor
-        thread, or from tools; from :meth:`reserve` only as :meth:`_fallback_scan`.
+        thread, or from tools; from a store (reserve, publish) only as
+        :meth:`_fallback_scan`.
         Counted in ``stats.rescans``.
         """
         started = time.time()
