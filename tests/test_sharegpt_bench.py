@@ -332,6 +332,45 @@ def test_reports_table_ratios_and_plot(tmp_path):
     assert json.load(open(args.json))["results"][1]["config"] == "kvcache_disk"
 
 
+def test_table_names_rounds_cut_short(tmp_path):
+    """A call that ended early (here round 3 never ran, and one row lost round 2) says
+    how many rounds its medians come from instead of the number planned."""
+    full = S.combine_rounds([_row("prefix_cache", b, round=i) for i, b in enumerate((.1, .2))])
+    short = S.combine_rounds([_row("kvcache_disk", 0.3, round=0)])
+    out = {"machine": "test", "model": "tiny", "rate": 32.0, "n_requests": 10, "rounds": 3,
+           "cpu_bytes": 8 << 30, "workload_stats": {}, "results": [full, short]}
+    args = SimpleNamespace(json=str(tmp_path / "sharegpt-tiny.json"))
+    S.save(args, out)
+    md = open(str(tmp_path / "sharegpt-tiny.md")).read()
+    assert "each configuration completed (1-2 of 3 planned" in md
+    assert "medians of 3 interleaved rounds" not in md
+
+
+def test_disk_budget_is_shared_by_the_disk_tiers(tmp_path, monkeypatch):
+    """Two py-kvcache disk tiers and native_fs under one --root share its free space:
+    each gets a third of 80 % when the workload's blocks would not fit in that share
+    (the H200 run that gave each 80 % filled its 64 GB disk in round 2)."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 64,
+         "hidden_size": 256, "num_attention_heads": 4}))  # 1 KiB of KV per token
+    reqs = [{"prompt_token_ids": list(range(i, i + 25600)), "session": i, "output_len": 8}
+            for i in range(4)]
+    free = 150 << 20  # 100 MiB of KV needed, one third of 80 % of 150 MiB = 40 MiB each
+    monkeypatch.setattr(S.shutil, "disk_usage", lambda p: SimpleNamespace(free=free))
+    args = SimpleNamespace(root=str(tmp_path), model=str(model), max_disk_bytes=-1)
+    b = S._disk_budget(args, reqs, ["prefix_cache", "native_fs", "kvcache_dram",
+                                    "kvcache_disk"])
+    assert args._max_disk_bytes == int(free * 0.8) // 3 == b["max_disk_bytes"]
+    args.max_disk_bytes = -1  # the same workload alone: fits, unbounded
+    S._disk_budget(args, reqs, ["prefix_cache", "kvcache_disk"])
+    assert args._max_disk_bytes == 0
+    args.max_disk_bytes = 7 << 20  # an explicit bound is kept as given
+    S._disk_budget(args, reqs, ["kvcache_disk"])
+    assert args._max_disk_bytes == 7 << 20
+
+
 def test_combine_rounds_medians():
     rows = [_row("kvcache_dram", b, round=i, stores=10 * (i + 1)) for i, b in
             enumerate((0.1, 0.3, 0.2))]

@@ -76,6 +76,8 @@ from types import SimpleNamespace
 from typing import Any, TextIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: configurations that write files under --root (they share its free space)
+DISK_CONFIGS = ("native_fs", "kvcache_dram", "kvcache_disk")
 ALL_CONFIGS = ["prefix_cache", "native_cpu", "native_fs", "kvcache_dram", "kvcache_disk",
                "kvcache_dram_gate", "lmcache", "kvcache"]
 #: configurations that need the node's break-even table (``kvcache``: issue 11's name for
@@ -1031,7 +1033,13 @@ def write_table(out: dict, path: str) -> None:
 
     gib = out.get("cpu_bytes", 0) / (1 << 30)
     nr = out.get("rounds", 1)
-    rounds = f"; medians of {nr} interleaved rounds" if nr > 1 else ""
+    done = [len(r.get("rounds") or [r]) for r in rows]
+    rounds = ""
+    if nr > 1 and done and min(done) == max(done) == nr:
+        rounds = f"; medians of {nr} interleaved rounds"
+    elif nr > 1 and done:  # a call cut short: say how many rounds each row holds
+        rounds = (f"; medians of the interleaved rounds each configuration completed "
+                  f"({min(done)}-{max(done)} of {nr} planned; see `rounds` in the JSON)")
     lines = [f"# ShareGPT replay: {out['model']} on {out['machine']}", "",
              f"{out['n_requests']} requests of real ShareGPT conversations "
              f"({wl.get('sessions', '?')} conversations, each request carrying its "
@@ -1131,16 +1139,17 @@ def _disk_budget(args, reqs: list[dict], configs: list[str]) -> dict:
     kvb = kv_bytes_per_token(args.model)
     need = int(st["unique_block_tokens"] * kvb * 1.03)
     free = shutil.disk_usage(args.root).free
+    disky = [c for c in configs if c in DISK_CONFIGS]
     args._max_disk_bytes = args.max_disk_bytes
-    if args.max_disk_bytes < 0:  # auto
-        args._max_disk_bytes = int(free * 0.8) if need > free * 0.85 else 0
-    disky = [c for c in configs if c in ("native_fs", "kvcache_dram", "kvcache_disk")]
+    if args.max_disk_bytes < 0:  # auto: every disk tier under --root gets an equal share
+        share = int(free * 0.8) // max(1, len(disky))
+        args._max_disk_bytes = share if need > share else 0
     log(f"KV {kvb} B/token; a cache keeping every block would write {need / 1e9:.1f} GB, "
         f"{free / 1e9:.1f} GB free under {args.root}"
         + (f"; disk tiers bounded at {args._max_disk_bytes / 1e9:.1f} GB (py-kvcache "
            "max_disk_bytes; native_fs: oldest files deleted by a janitor thread)"
            if args._max_disk_bytes and disky else ""))
-    if disky and need > free and not args._max_disk_bytes:
+    if disky and need * len(disky) > free and not args._max_disk_bytes:
         log("WARNING: the disk tiers may run out of space (--max-disk-bytes -1 bounds them)")
     return {**st, "kv_bytes_per_token": kvb, "est_disk_bytes": need, "disk_free_bytes": free,
             "max_disk_bytes": args._max_disk_bytes}
@@ -1373,9 +1382,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-disk-bytes", type=int, default=-1,
                    help="disk bound of the configurations with a disk tier: py-kvcache's "
                    "max_disk_bytes (LRU eviction); native_fs has no bound of its own, so a "
-                   "janitor thread deletes its oldest files above it. -1 = auto: 80%% of the "
-                   "free space under --root when the workload's distinct blocks (estimated "
-                   "from the model's KV bytes per token) would not fit, else unbounded; "
+                   "janitor thread deletes its oldest files above it. -1 = auto: each "
+                   "configuration with a disk tier gets an equal share of 80%% of the free "
+                   "space under --root when the workload's distinct blocks (estimated from "
+                   "the model's KV bytes per token) would not fit in that share, else unbounded; "
                    "0 = unbounded")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="vLLM --gpu-memory-utilization (with --parallel: the share each "
