@@ -85,6 +85,11 @@ KEY_HELP: dict[str, str] = {
     "cache tier (0 disables the DRAM tier). Stores are copied there and written to disk "
     "from there in the background (write-back buffer).",
     "eviction_policy": "DRAM tier replacement policy: 'lru' or 'arc'.",
+    "writeback_max_fraction": "Share of the DRAM tier that stores may hold while their "
+    "files are still being written (write-back). Beyond it a new store takes no DRAM-tier "
+    "slot (it goes through the staging pool, where it is dropped if none is free), so a "
+    "disk that falls behind never fills the tier with pending writes and disk hits can "
+    "still be promoted into it. 0 < value <= 1.",
     "block_size": "Tokens per storage block (one file); a multiple of vLLM's GPU block size.",
     "max_disk_bytes": "Upper bound on cache bytes under root_dir for this model namespace, "
     "shared by all processes; least-recently-used files are evicted beyond it. 0 = unbounded.",
@@ -128,6 +133,7 @@ class StorageConfig:
     copy_headroom: int = 4
     dram_cache_bytes: int = 0
     eviction_policy: str = "lru"
+    writeback_max_fraction: float = 0.5
     block_size: int = 256
     max_disk_bytes: int = 0
     durable: bool = False
@@ -172,6 +178,10 @@ class StorageConfig:
         need(self.block_size > 0, "block_size", "must be > 0")
         need(self.max_disk_bytes >= 0, "max_disk_bytes", "must be >= 0 (0 = unbounded)")
         need(self.eviction_policy in ("lru", "arc"), "eviction_policy", "must be 'lru' or 'arc'")
+        need(isinstance(self.writeback_max_fraction, (int, float))
+             and not isinstance(self.writeback_max_fraction, bool)
+             and 0 < self.writeback_max_fraction <= 1, "writeback_max_fraction",
+             "must be a number in (0, 1]")
         need(self.direct_io in ("auto", "on", "off"), "direct_io", "must be auto, on or off")
         need(self.publish_method in ("link", "rename", "auto"), "publish_method",
              "must be link, rename or auto")

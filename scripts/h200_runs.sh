@@ -28,8 +28,13 @@ SITE=$(python3 -c 'import vllm,os;print(os.path.dirname(os.path.dirname(vllm.__f
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" >/dev/null
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" --check
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader || true
+# KVEXTRA="key=json key=json": extra py-kvcache config keys for every kvcache config of
+# a longdoc-based step (e.g. KVEXTRA=eviction_policy=arc); SUFFIX names its result files
+# apart (preload-run-$M$SUFFIX.json), so a variant runs beside the default in one call
 B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$ROOT"
    --machine "H200 (GPU machine)" --append --resume --timeout 420)
+for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); done
+SFX=${SUFFIX:-}
 case "$STEP" in
   longdoc)
     "${B[@]}" --json "$RES/longdoc-$M.json" \
@@ -42,10 +47,11 @@ case "$STEP" in
     # 40k-token documents; the GPU KV cache capped at 4 such requests so the rest queue
     # (a loaded server); 2 docs x 6 hits + 25% requests with no reusable prefix, all 16
     # submitted at once.
-    "${B[@]}" --json "$RES/preload-run-$M.json" --tokens 40960 --docs 2 --repeats 6 \
+    # CONFIGS narrows a call.
+    "${B[@]}" --json "$RES/preload-run-$M$SFX.json" --tokens 40960 --docs 2 --repeats 6 \
       --fresh-frac 0.25 --concurrency 16 --gpu-blocks 10496 --workload mixed \
-      --configs kvcache_nopreload,kvcache_preload,native_fs \
-      --preload-json "$RES/preload-$M.json" ;;
+      --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
+      --preload-json "$RES/preload-$M$SFX.json" ;;
   preload50)
     # issue 4 item 5 as written: the long-document workload with 50 concurrent clients,
     # disk-only, preload on vs off vs native_fs; D from $TOKENS (one size per call fits

@@ -380,3 +380,43 @@ def test_scbench_end_to_end_cpu(tmp_path):
     assert row["workload"] == "scbench" and row["disk_read_bytes"] == r["disk_read_bytes"]
     assert not os.path.exists(tmp_path / "root" / "kvcache_preload")  # root wiped
     print(f"e2e run {time.monotonic() - t0:.0f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_mixed_preload_workload_counts_tree_reads_cpu(tmp_path):
+    """``longdoc --workload mixed`` (the H200 ``preload`` step) on real vLLM (CPU platform,
+    tiny Llama): the load phase's row carries the engine process tree's disk reads and
+    the page cache growth, measured the same way for every configuration (so native_fs's
+    buffered reads can be compared with py-kvcache's O_DIRECT ones), and a DRAM tier
+    budget given with ``--kv-extra`` reaches the engine."""
+    pytest.importorskip("vllm")
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    out = str(tmp_path / "res" / "mixed-tiny.json")
+    pre = str(tmp_path / "res" / "preload-tiny.json")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run(
+        [sys.executable, "-m", "kvcache_core.bench.longdoc", "--model", str(model),
+         "--root", str(tmp_path / "root"), "--json", out, "--preload-json", pre,
+         "--workload", "mixed", "--tokens", "1024", "--docs", "2", "--repeats", "3",
+         "--fresh-frac", "0.25", "--concurrency", "4", "--gpu-blocks", "160",
+         "--configs", "kvcache_nopreload", "--staging-bytes", str(4 << 20),
+         "--io-depth", "2", "--timeout", "200", "--machine", "cpu-test", "--no-probe",
+         "--kv-extra", "eviction_policy=arc", "--kv-extra", "writeback_max_fraction=0.25"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-4000:]
+    (r,) = json.load(open(out))["results"]
+    assert "error" not in r, r
+    # the engine read its blocks from disk with O_DIRECT: the tree's read_bytes sees them
+    assert r["disk_read_bytes"] > 0
+    assert r["tree_read_bytes"] >= 0.9 * r["disk_read_bytes"], r
+    assert r["page_cache_growth_bytes"] is not None
+    (row,) = json.load(open(pre))["results"]
+    assert row["tree_read_bytes"] == r["tree_read_bytes"]
+    assert "tree read (GB)" in open(pre[:-5] + ".md").read()
+    assert r["kv_extra"] == {"eviction_policy": "arc", "writeback_max_fraction": 0.25}

@@ -80,6 +80,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 from . import scbench as SC
 from .common import read_stats_file, save_loglog
@@ -120,6 +121,17 @@ def docs_for(tokens: int, n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, hi) for _ in range(tokens)] for _ in range(n)]
 
 
+def _kv_extra(text: str) -> tuple[str, Any]:
+    """``KEY=JSON`` of ``--kv-extra`` (a value that is not JSON is a string)."""
+    key, sep, val = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(val)
+    except ValueError:
+        return key, val
+
+
 def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
     block = {"block_size": BLOCK_TOKENS}
     if cfg in ("recompute", "recompute_cold"):
@@ -143,6 +155,7 @@ def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
                  "dram_cache_bytes": dram,
                  "preload_lookahead": 0 if cfg == "kvcache_nopreload"
                  else args.preload_lookahead}
+        extra.update(getattr(args, "kv_extra", None) or {})
         if cfg in GATE_OF:
             extra["breakeven_table"] = args.gate_table_path
         if cfg == "kvcache_gate_queue":
@@ -304,6 +317,8 @@ def _run_child(args, config: str, phase: str, timeout: float,
            "--preload-lookahead",
            str(args.preload_lookahead), "--gate-table-path", args.gate_table_path or "",
            "--workload", args.workload, "--question-tokens", str(args.question_tokens)]
+    for k, v in args.kv_extra:
+        cmd += ["--kv-extra", f"{k}={json.dumps(v)}"]
     env = dict(os.environ, PYTHONHASHSEED="0",
                KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"))
     if args.trace:
@@ -440,6 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "workload); 0 = all reuse")
     ap.add_argument("--staging-bytes", type=int, default=1 << 30)
     ap.add_argument("--io-depth", type=int, default=8)
+    ap.add_argument("--kv-extra", action="append", default=[], metavar="KEY=JSON",
+                    type=_kv_extra,
+                    help="extra py-kvcache config key for every kvcache configuration, "
+                    "e.g. eviction_policy='\"arc\"' or writeback_max_fraction=0.25 "
+                    "(repeatable; the value is JSON, a bare word is taken as a string)")
     ap.add_argument("--preload-lookahead", type=int, default=4,
                     help="preload_lookahead of the kvcache configs (kvcache_nopreload: 0)")
     ap.add_argument("--gate-table", default=None,
@@ -546,7 +566,9 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.repeats is None:
         args.repeats = 6 if sc else 2
     if args.sample_interval is None:
-        args.sample_interval = 0.25 if sc else 0.0
+        # scbench: host memory over time; mixed (the preload workload): the engine
+        # tree's disk reads, so native_fs's are counted like py-kvcache's
+        args.sample_interval = 0.25 if sc or args.workload == "mixed" else 0.0
     return args
 
 
@@ -622,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         elif cfg in COLD_PROCESS:
             store = _run_child(args, cfg, "store", args.timeout)
             dropped = drop_caches()
-            load = _run_child(args, cfg, "load", args.timeout)
+            load = _run_child(args, cfg, "load", args.timeout, args.sample_interval)
         else:
             store = load = _run_child(args, cfg, "both", args.timeout)
             dropped = None
@@ -649,6 +671,19 @@ def main(argv: list[str] | None = None) -> int:
                    "kv_bytes": d * kvb, "disk_floor_s": floor, "page_cache_dropped": dropped,
                    "store_counters": sc,
                    **_summary(hits, lrow.get("hit_docs") or [0] * len(hits))}
+            if args.kv_extra and cfg.startswith("kvcache"):
+                row["kv_extra"] = dict(args.kv_extra)
+            reqs = load.get("req_log") or []
+            if load.get("samples") and reqs and len(load["rows"]) == 1:
+                # every config alike, while the load phase's requests were in flight (not
+                # while the engine started): what the engine's process tree read from
+                # storage (O_DIRECT reads, and buffered ones that missed the page cache)
+                # and how much the host's page cache grew (buffered reads keep what they
+                # read there, outside any tier's budget)
+                t0, t1 = min(q[2] for q in reqs), max(q[3] for q in reqs)
+                row["tree_read_bytes"] = SC.window_delta(load["samples"], "read_bytes", t0, t1)
+                row["page_cache_growth_bytes"] = SC.window_delta(
+                    load["samples"], "page_cache_bytes", t0, t1)
             results.append(row)
         if stats:
             peak = max(s.get("peak_staging_bytes", 0) for s in stats)
@@ -722,7 +757,8 @@ PRELOAD_CONFIGS = ("kvcache_preload", "kvcache_nopreload", "native_fs", "kvcache
                    "kvcache_gate_queue", "recompute_cold")
 PRELOAD_KEYS = ("tokens", "concurrency", "mean_ttft_s", "median_ttft_s", "p90_ttft_s",
                 "mean_ttft_noreuse_s", "mean_ttft_reuse_s", "wall_s", "peak_staging_bytes",
-                "staging_budget_bytes", "disk_read_bytes", "n_requests", "n_noreuse")
+                "staging_budget_bytes", "disk_read_bytes", "n_requests", "n_noreuse",
+                "tree_read_bytes", "page_cache_growth_bytes")
 
 
 def write_preload(run: dict, path: str, workload: str) -> dict:
@@ -746,10 +782,15 @@ def write_preload(run: dict, path: str, workload: str) -> dict:
              "shared contexts visited round-robin, all rounds in one process, reuse = later "
              "visits, no-reuse = first (storing) visits, disk read = the engine process "
              "tree's read_bytes (same DRAM/CPU budget of 1.3 contexts for every config). "
+             "longdoc / mixed: disk read = py-kvcache's own counter; tree read = the "
+             "engine process tree's read_bytes in the load phase and page cache growth = "
+             "how much the host's page cache grew meanwhile (every config alike: buffered "
+             "reads keep what they read there, outside any tier's budget). "
              "Times in seconds.", "",
              "| workload | tokens | conc | config | mean TTFT | median | p90 | mean reuse | "
-             "mean no-reuse | wall | peak staging / budget (MB) | disk read (GB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean no-reuse | wall | peak staging / budget (MB) | disk read (GB) | "
+             "tree read (GB) | page cache growth (GB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f3(v):
         return "-" if v is None else f"{v:.3f}"
@@ -758,11 +799,15 @@ def write_preload(run: dict, path: str, workload: str) -> dict:
         st = ("-" if r.get("peak_staging_bytes") is None else
               f"{r['peak_staging_bytes'] / 1e6:.0f} / {r['staging_budget_bytes'] / 1e6:.0f}")
         rd = "-" if not r.get("disk_read_bytes") else f"{r['disk_read_bytes'] / 1e9:.1f}"
+        tr = ("-" if r.get("tree_read_bytes") is None
+              else f"{r['tree_read_bytes'] / 1e9:.1f}")
+        pc = ("-" if r.get("page_cache_growth_bytes") is None
+              else f"{r['page_cache_growth_bytes'] / 1e9:.1f}")
         lines.append(f"| {r['workload']} | {r['tokens']} | {r['concurrency']} | {r['config']} "
                      f"| {f3(r['mean_ttft_s'])} | {f3(r['median_ttft_s'])} | "
                      f"{f3(r['p90_ttft_s'])} | {f3(r.get('mean_ttft_reuse_s'))} | "
                      f"{f3(r['mean_ttft_noreuse_s'])} | "
-                     f"{f3(r['wall_s'])} | {st} | {rd} |")
+                     f"{f3(r['wall_s'])} | {st} | {rd} | {tr} | {pc} |")
     with open(os.path.splitext(path)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:

@@ -98,14 +98,15 @@ class TreeSampler:
     processes once), the cumulative ``read_bytes`` of every process ever seen in the tree
     (a process that exits keeps its last value, so the sum never goes down), and the
     machine's used memory (MemTotal - MemAvailable: pinned and driver allocations that a
-    process' RSS may not show; page cache excluded)."""
+    process' RSS may not show; page cache excluded) and the machine's page cache
+    (``Cached``: what buffered reads keep outside any process)."""
 
     def __init__(self, pid: int, interval: float = 0.25) -> None:
         self.pid = pid
         self.interval = interval
         self.series: dict[str, list[float]] = {
             "t": [], "rss_bytes": [], "pss_bytes": [], "read_bytes": [],
-            "system_used_bytes": []}
+            "system_used_bytes": [], "page_cache_bytes": []}
         self._seen: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tree-sampler", daemon=True)
@@ -140,13 +141,14 @@ class TreeSampler:
             rb = _read_bytes(p)
             if rb is not None:
                 self._seen[p] = max(rb, self._seen.get(p, 0))
-        mi = _mem_kb("/proc/meminfo", ("MemTotal", "MemAvailable"))
+        mi = _mem_kb("/proc/meminfo", ("MemTotal", "MemAvailable", "Cached"))
         s = self.series
         s["t"].append(t)
         s["rss_bytes"].append(rss)
         s["pss_bytes"].append(pss)
         s["read_bytes"].append(sum(self._seen.values()))
         s["system_used_bytes"].append(mi.get("MemTotal", 0) - mi.get("MemAvailable", 0))
+        s["page_cache_bytes"].append(mi.get("Cached", 0))
 
 
 # ---------------------------------------------------------------------------- results
@@ -159,6 +161,19 @@ def throughput(t: Sequence[float], cum: Sequence[float]) -> tuple[list[float], l
             mids.append((t[i] + t[i - 1]) / 2)
             rates.append((cum[i] - cum[i - 1]) / dt)
     return mids, rates
+
+
+def window_delta(samples: dict[str, list[float]], name: str, t0: float,
+                 t1: float) -> int | None:
+    """Change of series ``name`` from the last sample at or before ``t0`` (else the first)
+    to the first sample at or after ``t1`` (else the last): e.g. the bytes the tree read
+    while requests were in flight, not while the engine started."""
+    t, v = samples.get("t") or [], samples.get(name) or []
+    if len(t) < 2 or len(v) != len(t):
+        return None
+    a = _at_or_before(t, v, t0)
+    b = _at_or_after(t, v, t1)
+    return int((v[-1] if b is None else b) - (v[0] if a is None else a))
 
 
 def _at_or_before(t: Sequence[float], v: Sequence[float], x: float) -> float | None:

@@ -27,6 +27,13 @@ CACHED and pinned from :meth:`complete_store` until every worker reported the wr
 never reclaimed for another key while its file is still being written from it. When
 every slot is pinned that way, new stores get no slot and go through the workers'
 staging pools, where they are dropped if none is free (counted, never waited for).
+Stores may hold at most ``writeback_max_fraction`` of the tier that way (storing or
+pinned): a disk that falls behind (e.g. busy with reads) then costs new stores their DRAM
+slot, never the promotions of disk hits that other requests are waiting for.
+
+Replacement: a block read from disk into the tier (promotion) counts as a reuse (with
+``eviction_policy=arc`` it enters the frequency list), a block that was only stored does
+not, so a burst of new, never-read stores evicts other stores first.
 
 Failed loads (a missing or corrupt file, an invalid DRAM slot) are reported by the
 workers through :class:`~kvcache_core.vllm.connector.PyKVCacheWorkerMetadata` and
@@ -86,6 +93,9 @@ MANAGER_COUNTERS: dict[str, str] = {
     "stores_dram": "Stored chunks that also went into a DRAM-tier slot.",
     "stores_no_dram_slot": "Chunks stored without a DRAM-tier slot because every slot was "
     "busy or pinned by a pending disk write (write-back back-pressure).",
+    "stores_writeback_full": "Chunks stored without a DRAM-tier slot because "
+    "writeback_max_fraction of the tier already waits for disk writes (counted in "
+    "stores_no_dram_slot too).",
     "stores_skipped": "Chunks not stored because they are already cached or in flight.",
     "stores_skipped_gate": "Chunks not stored because the break-even table says disk loads "
     "never pay off on this node and the DRAM tier had no slot (disk writes off).",
@@ -231,7 +241,8 @@ class PyKVCacheManager(OffloadingManager):
     medium = "PYKVCACHE"
 
     def __init__(self, root_dir: str, namespaces: Sequence[Namespace], n_dram: int,
-                 eviction_policy: str = "lru", enable_events: bool = False) -> None:
+                 eviction_policy: str = "lru", enable_events: bool = False,
+                 writeback_max_fraction: float = 0.5) -> None:
         self.disk = [LayoutIndex(root_dir, ns) for ns in namespaces]
         self.n_dram = n_dram
         self._policy = eviction_policy
@@ -244,6 +255,10 @@ class PyKVCacheManager(OffloadingManager):
         # pinned only), and key -> its DRAM slot, pinned until all ranks reported
         self._wb_done: dict[OffloadKey, int] = {}
         self._wb_pinned: dict[OffloadKey, int] = {}
+        # keys storing into a DRAM slot whose file will be written from it; with
+        # _wb_pinned, the slots that write-back holds (bounded by _wb_cap)
+        self._wb_storing: set[OffloadKey] = set()
+        self._wb_cap = max(1, int(n_dram * writeback_max_fraction)) if n_dram > 0 else 0
         # (req_id, key) -> (dram slot or -1, "pin" | "promote" | "disk") for loads in flight
         self._loading: dict[tuple[str, OffloadKey], tuple[int, str]] = {}
         self._loading_refs: collections.Counter[OffloadKey] = collections.Counter()
@@ -500,6 +515,8 @@ class PyKVCacheManager(OffloadingManager):
                 self.dram.release(slot)
             else:
                 self._retain(slot, key)
+                if self.dram.lookup(key) == slot:
+                    self.dram.policy.hit(key)  # read again after its store: a reuse
         self._loading_refs[key] -= 1
         if self._loading_refs[key] <= 0:
             del self._loading_refs[key]
@@ -540,7 +557,14 @@ class PyKVCacheManager(OffloadingManager):
                     or self._on_disk(key)):
                 self.counters["stores_skipped"] += 1
                 continue
-            slot = self._acquire(evicted) if self.dram is not None else -1
+            slot = -1
+            if self.dram is not None:
+                if disk and len(self._wb_storing) + len(self._wb_pinned) >= self._wb_cap:
+                    self.counters["stores_writeback_full"] += 1
+                else:
+                    slot = self._acquire(evicted)
+                    if slot >= 0 and disk:
+                        self._wb_storing.add(key)
             if slot < 0 and not disk:  # disk-only store, and the disk never pays off here
                 self.counters["stores_skipped_short" if short else "stores_skipped_gate"] += 1
                 continue
@@ -571,6 +595,8 @@ class PyKVCacheManager(OffloadingManager):
             if slot is None:
                 continue
             stored.append(key)
+            if self._wb_storing:
+                self._wb_storing.discard(key)
             if success and self._bad:
                 self._bad.pop(key, None)  # freshly written: no longer a known-bad block
             written = self._wb_done.pop(key, 0)
@@ -609,6 +635,7 @@ class PyKVCacheManager(OffloadingManager):
         self._dram_only.clear()
         self._wb_done.clear()
         self._wb_pinned.clear()
+        self._wb_storing.clear()
         self._loading.clear()
         self._loading_refs.clear()
         self._promoting.clear()

@@ -131,17 +131,20 @@ class PyKVCacheSpec(OffloadingSpec):
         self._manager: PyKVCacheManager | None = None
         self._worker: OffloadingWorker | None = None
         log.info("py-kvcache: rank %d/%d root %s namespace %s (%s, %s), %d tokens = %d B per "
-                 "file, staging %d slots, DRAM tier %d slots (%d B per worker)",
+                 "file, staging %d slots, DRAM tier %d slots (%d B per worker, eviction %s, "
+                 "write-back up to %.0f%% of it)",
                  self.rank, self.world_size, self.storage.root_dir,
                  self.namespaces[self.rank].dirname(), model, dtype, self.tokens_per_chunk,
                  self.pool.slot_bytes, self.pool.n_staging, self.pool.n_dram,
-                 self.pool.n_dram * self.pool.slot_bytes)
+                 self.pool.n_dram * self.pool.slot_bytes, self.storage.eviction_policy,
+                 100 * self.storage.writeback_max_fraction)
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = PyKVCacheManager(
                 self.storage.root_dir, self.namespaces, self.pool.n_dram,
                 eviction_policy=self.storage.eviction_policy,
+                writeback_max_fraction=self.storage.writeback_max_fraction,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcache_core.config import ConfigError, StorageConfig
-from kvcache_core.layout import HEADER_BYTES, MAGIC, Namespace
+from kvcache_core.layout import HEADER_BYTES, MAGIC, Layout, Namespace
 from kvcache_core.reactor import IN_SLOT
 from kvcache_core.vllm import options as O
 
@@ -396,7 +396,7 @@ def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_avai
     from kvcache_core.vllm.manager import PyKVCacheManager
 
     nss = [Namespace("m", "bf16", 256, 1 << 16, tp_rank=r, tp_size=2) for r in range(2)]
-    m = PyKVCacheManager(str(tmp_path), nss, n_dram=2)
+    m = PyKVCacheManager(str(tmp_path), nss, n_dram=2, writeback_max_fraction=1.0)
     r = ReqContext("r")
     k1, k2, k3, k4 = (key(i) for i in range(1, 5))
     assert m.prepare_store([k1, k2], r).store_spec.dram_slots == [0, 1]
@@ -425,6 +425,51 @@ def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_avai
     assert m.stats()["dram_writeback_pinned"] == 0
 
 
+def test_manager_writeback_cap_keeps_slots_for_promotions(tmp_path, vllm_available):
+    """writeback_max_fraction: stores hold at most that share of the DRAM tier while their
+    files are pending (storing or pinned); further stores take no slot (counted), so a
+    disk hit can still be promoted into the tier and a second request for the block waits
+    for that one read (HIT_PENDING). A promoted block counts as a reuse: with ARC a burst
+    of new stores evicts the stored-only blocks, not it. Slots come back when the writes
+    end; nothing is lost (each store still goes to disk through staging)."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=4, eviction_policy="arc",
+                         writeback_max_fraction=0.5)
+    w = ReqContext("writer")
+    ks = [key(i) for i in range(1, 5)]
+    spec = m.prepare_store(ks, w).store_spec
+    assert spec.dram_slots[:2] != [-1, -1] and spec.dram_slots[2:] == [-1, -1]
+    assert m.stats()["stores_writeback_full"] == 2
+    assert m.stats()["stores_no_dram_slot"] == 2
+    m.complete_store(ks, w)
+    assert m.stats()["dram_writeback_pinned"] == 2
+    # a block on disk (another process stored it), read by two requests at once
+    lay = Layout(str(tmp_path), ns)
+    hot = key(50)
+    assert lay.write_block(bytes(hot), bytes(ns.block_bytes))
+    a, b = ReqContext("a"), ReqContext("b")
+    assert m.lookup(hot, a) == LookupResult.HIT
+    load = m.prepare_load([hot], a)
+    assert load.dram_slots[0] >= 0  # promoted: the cap left slots for it
+    assert m.lookup(hot, b) == LookupResult.HIT_PENDING  # one disk read for both
+    m.complete_load([hot], a)
+    assert m.lookup(hot, b) == LookupResult.HIT and m.dram.lookup(hot) >= 0
+    # the writes end: their slots become reclaimable, and new stores may take slots again
+    m.on_worker_report(set(), {}, None, {ks[0]: 1, ks[1]: 1})
+    assert m.stats()["dram_writeback_pinned"] == 0
+    burst = [key(i) for i in range(100, 106)]
+    for k in burst:
+        m.prepare_store([k], w)
+        m.complete_store([k], w)
+        m.on_worker_report(set(), {}, None, {k: 1})
+    assert m.dram.lookup(hot) >= 0  # the reused block survived six new stores
+    m.dram.check()
+
+
 def test_manager_short_requests_keep_dram_only_and_pin_nothing(tmp_path, vllm_available):
     """disk_min_prefix_tokens: a request the connector marked short stores into the DRAM
     tier without files (no_disk, slot not pinned for a write-back, counted); without a
@@ -433,7 +478,8 @@ def test_manager_short_requests_keep_dram_only_and_pin_nothing(tmp_path, vllm_av
 
     from kvcache_core.vllm.manager import PyKVCacheManager
 
-    m = PyKVCacheManager(str(tmp_path), [Namespace("m", "bf16", 256, 1 << 16)], n_dram=2)
+    m = PyKVCacheManager(str(tmp_path), [Namespace("m", "bf16", 256, 1 << 16)], n_dram=2,
+                         writeback_max_fraction=1.0)
     short, long_ = ReqContext("short"), ReqContext("long")
     m.short_requests.add("short")
     out = m.prepare_store([key(1)], short)
@@ -599,7 +645,7 @@ def test_manager_slots_hits_and_failures(tmp_path, vllm_available):
     from kvcache_core.vllm.manager import PyKVCacheManager
 
     ns = Namespace("m", "bf16", 256, 1 << 16)
-    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=2)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=2, writeback_max_fraction=1.0)
     r1, r2 = ReqContext("r1"), ReqContext("r2")
     k1, k2, k3 = key(1), key(2), key(3)
 
