@@ -34,6 +34,7 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader || true
 B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$ROOT"
    --machine "H200 (GPU machine)" --append --resume --timeout 420)
 for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); done
+if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
 SFX=${SUFFIX:-}
 case "$STEP" in
   longdoc)
