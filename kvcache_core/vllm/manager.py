@@ -28,8 +28,10 @@ never reclaimed for another key while its file is still being written from it. W
 every slot is pinned that way, new stores get no slot and go through the workers'
 staging pools, where they are dropped if none is free (counted, never waited for).
 Stores may hold at most ``writeback_max_fraction`` of the tier that way (storing or
-pinned): a disk that falls behind (e.g. busy with reads) then costs new stores their DRAM
-slot, never the promotions of disk hits that other requests are waiting for.
+pinned): beyond it a new store still fills a DRAM-tier slot but writes no file
+(``dram_only``, counted), so a disk that falls behind (e.g. busy with reads) costs new
+blocks their file, never the promotions of disk hits that other requests wait for: the
+slot is not pinned and can be reclaimed like any cached block.
 
 Replacement: a block read from disk into the tier (promotion) counts as a reuse (with
 ``eviction_policy=arc`` it enters the frequency list), a block that was only stored does
@@ -93,9 +95,9 @@ MANAGER_COUNTERS: dict[str, str] = {
     "stores_dram": "Stored chunks that also went into a DRAM-tier slot.",
     "stores_no_dram_slot": "Chunks stored without a DRAM-tier slot because every slot was "
     "busy or pinned by a pending disk write (write-back back-pressure).",
-    "stores_writeback_full": "Chunks stored without a DRAM-tier slot because "
-    "writeback_max_fraction of the tier already waits for disk writes (counted in "
-    "stores_no_dram_slot too).",
+    "stores_writeback_full": "Chunks kept in the DRAM tier without a file because "
+    "writeback_max_fraction of the tier already waits for disk writes (the disk is "
+    "behind): dropped from the disk tier, never waited for.",
     "stores_skipped": "Chunks not stored because they are already cached or in flight.",
     "stores_skipped_gate": "Chunks not stored because the break-even table says disk loads "
     "never pay off on this node and the DRAM tier had no slot (disk writes off).",
@@ -549,6 +551,7 @@ class PyKVCacheManager(OffloadingManager):
             s for s in (self.dram.pin(k) for k in keys) if s >= 0]
         short = req_context.req_id in self.short_requests
         disk = self.disk_stores and not short
+        dram_only: list[bool] | None = None
         if not self.healthy:  # recompute-only: the workers cannot store any more
             keys = ()
         for key in keys:
@@ -557,17 +560,22 @@ class PyKVCacheManager(OffloadingManager):
                     or self._on_disk(key)):
                 self.counters["stores_skipped"] += 1
                 continue
-            slot = -1
-            if self.dram is not None:
-                if disk and len(self._wb_storing) + len(self._wb_pinned) >= self._wb_cap:
+            slot = self._acquire(evicted) if self.dram is not None else -1
+            behind = False
+            if slot >= 0 and disk:
+                if len(self._wb_storing) + len(self._wb_pinned) >= self._wb_cap:
+                    behind = True  # the disk is behind: this block stays in DRAM only
+                    self._dram_only.add(key)
                     self.counters["stores_writeback_full"] += 1
                 else:
-                    slot = self._acquire(evicted)
-                    if slot >= 0 and disk:
-                        self._wb_storing.add(key)
+                    self._wb_storing.add(key)
             if slot < 0 and not disk:  # disk-only store, and the disk never pays off here
                 self.counters["stores_skipped_short" if short else "stores_skipped_gate"] += 1
                 continue
+            if behind or dram_only is not None:
+                if dram_only is None:
+                    dram_only = [False] * len(to_store)
+                dram_only.append(behind)
             self._storing[key] = slot
             if short and self.disk_stores:
                 self._dram_only.add(key)
@@ -584,7 +592,8 @@ class PyKVCacheManager(OffloadingManager):
             self.dram.unpin(slot)
         self._maybe_export()
         return PrepareStoreOutput(keys_to_store=to_store,
-                                  store_spec=PyKVStoreSpec(to_store, slots, no_disk=not disk),
+                                  store_spec=PyKVStoreSpec(to_store, slots, no_disk=not disk,
+                                                           dram_only=dram_only),
                                   evicted_keys=evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,

@@ -14,21 +14,32 @@ class PyKVStoreSpec(LoadStoreSpec):
     when ``dram_slots[i] == -1``. Keys are in the order of the chunks of the job's
     ``GPULoadStoreSpec`` (group-major, chunk order). ``no_disk``: fill the DRAM-tier slots
     only, write no file (the break-even table says disk loads never pay off here); every
-    slot is then >= 0."""
+    slot is then >= 0. ``dram_only[i]`` (optional): the same for chunk ``i`` alone (the
+    write-back share of the tier is full: the disk is behind); its slot is >= 0."""
 
     def __init__(self, keys: Sequence[bytes], dram_slots: Sequence[int],
-                 no_disk: bool = False) -> None:
+                 no_disk: bool = False, dram_only: Sequence[bool] | None = None) -> None:
         if len(keys) != len(dram_slots):
             raise ValueError("keys and dram_slots differ in length")
         if no_disk and any(s < 0 for s in dram_slots):
             raise ValueError("no_disk stores need a DRAM-tier slot for every chunk")
+        if dram_only is not None:
+            if len(dram_only) != len(keys):
+                raise ValueError("keys and dram_only differ in length")
+            if any(d and s < 0 for d, s in zip(dram_only, dram_slots, strict=True)):
+                raise ValueError("a dram_only chunk needs a DRAM-tier slot")
         self.keys: list[bytes] = list(keys)
         self.dram_slots: list[int] = list(dram_slots)
         self.no_disk = no_disk
+        self.dram_only: list[bool] | None = None if dram_only is None else list(dram_only)
+
+    def writes_file(self, i: int) -> bool:
+        """Whether chunk ``i`` is written to disk."""
+        return not self.no_disk and not (self.dram_only is not None and self.dram_only[i])
 
     def __repr__(self) -> str:
         return (f"PyKVStoreSpec(n={len(self.keys)}, dram_slots={self.dram_slots}, "
-                f"no_disk={self.no_disk})")
+                f"no_disk={self.no_disk}, dram_only={self.dram_only})")
 
 
 class PyKVLoadSpec(LoadStoreSpec):

@@ -180,16 +180,17 @@ class PyKVCacheWorker(OffloadingWorker):
             for r in refs:
                 r.after = ev
         items = []
-        flag = NO_DISK if dst_spec.no_disk else 0
-        for ref, slot in zip(refs, dst_spec.dram_slots, strict=True):
+        writes = dst_spec.writes_file
+        wb = []
+        for i, (ref, slot) in enumerate(zip(refs, dst_spec.dram_slots, strict=True)):
             ext = self.n_staging + slot if slot >= 0 else -1
+            flag = 0 if writes(i) else NO_DISK
             items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext, flag))
+            if slot >= 0 and not flag:
+                wb.append(dst_spec.keys[i])
         self._jobs[job_id] = _Job(False, refs, list(dst_spec.dram_slots), self._gpu_bytes(refs))
-        if not dst_spec.no_disk:
-            wb = [k for k, slot in zip(dst_spec.keys, dst_spec.dram_slots, strict=True)
-                  if slot >= 0]
-            if wb:
-                self._writeback[job_id] = wb
+        if wb:
+            self._writeback[job_id] = wb
         self.reactor.store(job_id, items)
         self.timing["main_submit_store_s"] += time.perf_counter() - t0
         return True

@@ -339,6 +339,32 @@ def test_worker_store_load_dram_and_disk(worker):
     assert st["loads_dram"] == 1 and w.stats()["chunks_loaded_dram"] == 3
 
 
+def test_worker_dram_only_chunk_fills_its_slot_and_writes_no_file(worker):
+    """A store spec with ``dram_only`` (the write-back share of the tier is full): that
+    chunk fills its DRAM slot (served back from it intact), writes no file and is not
+    reported written; the job's other chunk is written as usual."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvcache_core.vllm.specs import PyKVLoadSpec, PyKVStoreSpec
+
+    w, ts, orig = worker, worker.test_tensors, worker.test_orig
+    k1, k2 = key(31), key(32)
+    w.submit_store(1, GPULoadStoreSpec([3, 5, 7, 9], [4], [0]),
+                   PyKVStoreSpec([k1, k2], [0, 1], dram_only=[False, True]))
+    _run(w, 1)
+    assert w.reactor.wait(30)
+    w.get_finished()
+    assert w.layout.exists(k1) and not w.layout.exists(k2)
+    assert w.take_written() == [k1]
+    for t in ts:
+        t.zero_()
+    w.submit_load(2, PyKVLoadSpec([k2], [1], [IN_SLOT]), GPULoadStoreSpec([12, 13], [2], [0]))
+    _run(w, 2)
+    assert w.take_invalid_block_ids() == set()
+    for t, o in zip(ts, orig, strict=True):
+        assert torch.equal(t[12], o[7]) and torch.equal(t[13], o[9])
+
+
 def test_worker_load_failures_are_reported_and_slots_invalidated(worker):
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
@@ -427,11 +453,11 @@ def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_avai
 
 def test_manager_writeback_cap_keeps_slots_for_promotions(tmp_path, vllm_available):
     """writeback_max_fraction: stores hold at most that share of the DRAM tier while their
-    files are pending (storing or pinned); further stores take no slot (counted), so a
-    disk hit can still be promoted into the tier and a second request for the block waits
-    for that one read (HIT_PENDING). A promoted block counts as a reuse: with ARC a burst
-    of new stores evicts the stored-only blocks, not it. Slots come back when the writes
-    end; nothing is lost (each store still goes to disk through staging)."""
+    files are pending (storing or pinned); further stores still fill a DRAM slot but
+    write no file (dram_only, counted) and pin nothing, so a disk hit can still be
+    promoted into the tier and a second request for the block waits for that one read
+    (HIT_PENDING). A promoted block counts as a reuse: with ARC a burst of new stores
+    evicts the stored-only blocks, not it. Pinned slots come back when the writes end."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
     from kvcache_core.vllm.manager import PyKVCacheManager
@@ -442,11 +468,13 @@ def test_manager_writeback_cap_keeps_slots_for_promotions(tmp_path, vllm_availab
     w = ReqContext("writer")
     ks = [key(i) for i in range(1, 5)]
     spec = m.prepare_store(ks, w).store_spec
-    assert spec.dram_slots[:2] != [-1, -1] and spec.dram_slots[2:] == [-1, -1]
+    assert all(s >= 0 for s in spec.dram_slots) and not spec.no_disk
+    assert spec.dram_only == [False, False, True, True]
+    assert [spec.writes_file(i) for i in range(4)] == [True, True, False, False]
     assert m.stats()["stores_writeback_full"] == 2
-    assert m.stats()["stores_no_dram_slot"] == 2
     m.complete_store(ks, w)
-    assert m.stats()["dram_writeback_pinned"] == 2
+    assert m.stats()["dram_writeback_pinned"] == 2  # the dram_only ones pin nothing
+    assert all(m.dram.lookup(k) >= 0 for k in ks)
     # a block on disk (another process stored it), read by two requests at once
     lay = Layout(str(tmp_path), ns)
     hot = key(50)
@@ -454,20 +482,31 @@ def test_manager_writeback_cap_keeps_slots_for_promotions(tmp_path, vllm_availab
     a, b = ReqContext("a"), ReqContext("b")
     assert m.lookup(hot, a) == LookupResult.HIT
     load = m.prepare_load([hot], a)
-    assert load.dram_slots[0] >= 0  # promoted: the cap left slots for it
+    assert load.dram_slots[0] >= 0  # promoted into a slot the cap left reclaimable
     assert m.lookup(hot, b) == LookupResult.HIT_PENDING  # one disk read for both
     m.complete_load([hot], a)
     assert m.lookup(hot, b) == LookupResult.HIT and m.dram.lookup(hot) >= 0
-    # the writes end: their slots become reclaimable, and new stores may take slots again
+    # the writes end: their slots become reclaimable, and stores write files again
     m.on_worker_report(set(), {}, None, {ks[0]: 1, ks[1]: 1})
     assert m.stats()["dram_writeback_pinned"] == 0
     burst = [key(i) for i in range(100, 106)]
     for k in burst:
-        m.prepare_store([k], w)
+        spec = m.prepare_store([k], w).store_spec
+        assert spec.dram_only is None and spec.writes_file(0)
         m.complete_store([k], w)
         m.on_worker_report(set(), {}, None, {k: 1})
     assert m.dram.lookup(hot) >= 0  # the reused block survived six new stores
     m.dram.check()
+
+
+def test_store_spec_dram_only_validation():
+    from kvcache_core.vllm.specs import PyKVStoreSpec
+
+    with pytest.raises(ValueError, match="needs a DRAM-tier slot"):
+        PyKVStoreSpec([b"k"], [-1], dram_only=[True])
+    with pytest.raises(ValueError, match="differ in length"):
+        PyKVStoreSpec([b"k"], [0], dram_only=[True, False])
+    assert not PyKVStoreSpec([b"k"], [0], no_disk=True).writes_file(0)
 
 
 def test_manager_short_requests_keep_dram_only_and_pin_nothing(tmp_path, vllm_available):
