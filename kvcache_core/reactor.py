@@ -131,6 +131,9 @@ class ReactorStats:
     preload_staged: int = 0
     preload_claimed: int = 0
     preload_joined: int = 0
+    #: on-demand loads that joined another on-demand load's read of the same block (one
+    #: read, one device copy each)
+    loads_joined: int = 0
     preload_deduped: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
@@ -338,6 +341,10 @@ class Reactor:
         self._spec_active: _Task | None = None
         self._spec_by_key: dict[bytes, _Task] = {}  # preloads not yet staged
         self._joiners: dict[bytes, list[_Task]] = {}  # loads waiting on a preload's read
+        # on-demand loads reading a block into a staging slot (the first of their key),
+        # and the loads of the same key that wait for that read instead of their own
+        self._fg_by_key: dict[bytes, _Task] = {}
+        self._fg_joiners: dict[bytes, list[_Task]] = {}
         # Caller-owned (external) slots: the task that currently writes the slot or writes
         # a file FROM it; later tasks that would overwrite the slot wait here, in order.
         # (An early-acknowledged store may still be writing its file from the slot when
@@ -594,14 +601,25 @@ class Reactor:
             self._spec_by_key[key] = t
             self._new_spec.append(t)
             return
+        fg = self._fg_by_key.get(key)
+        if fg is not None:  # another request reads this block now: one read for both
+            t.state = JOINED
+            self._fg_joiners.setdefault(key, []).append(t)
+            self.stats.loads_joined += 1
+            return
+        if not t.ext:
+            self._fg_by_key[key] = t
         self._preempt_spec()
         self._new_fg.append(t)
 
-    def _claim(self, t: _Task, slot: int) -> None:
-        """Serve load ``t`` from the pinned retained/staged ``slot`` (no disk read)."""
+    def _claim(self, t: _Task, slot: int, shared: bool = False) -> None:
+        """Serve load ``t`` from the pinned retained/staged ``slot`` (no disk read;
+        ``shared``: the slot holds a read this load made or joined, not a cache hit)."""
         held = self._slot_len[slot]
         t.nbytes = min(t.nbytes, held) if t.nbytes else held
-        if self._staged[slot] == t.key:  # first use of a preloaded block
+        if shared:
+            pass
+        elif self._staged[slot] == t.key:  # first use of a preloaded block
             self._staged[slot] = None
             self.stats.preload_claimed += 1
         else:
@@ -1013,9 +1031,28 @@ class Reactor:
             if t.prio == Priority.SPECULATIVE and t.ref is None and not t.ext:
                 self._stage(t)
                 continue
+            if self._fg_by_key and self._fg_by_key.get(t.key) is t:
+                if t.key in self._fg_joiners:
+                    self._share(t)
+                    continue
+                del self._fg_by_key[t.key]  # read done: later loads of it read again
             t.state = READY
             self._ready.append(t)
         verify.clear()
+
+    def _share(self, t: _Task) -> None:
+        """On-demand load ``t`` read its block into a staging slot and other loads joined
+        it: the slot becomes a retained one (reclaimable once unpinned) that ``t`` and
+        every joiner pin and copy from, so the block was read once."""
+        key, slot = t.key, t.slot
+        del self._fg_by_key[key]
+        joiners = self._fg_joiners.pop(key)
+        self._slot_len[slot] = t.payload
+        self._staged[slot] = None
+        self.alloc.release(slot, key, force=True)
+        t.slot = -1
+        for x in (t, *joiners):
+            self._claim(x, self.alloc.pin(key), shared=True)
 
     def _write_iov(self, t: _Task):
         if t.wlen == self.slot_bytes:
@@ -1183,6 +1220,12 @@ class Reactor:
             if not ok:  # the shared read failed: so do the loads that joined it
                 for j in self._joiners.pop(t.key, ()):
                     self._finish(j, False)
+        elif self._fg_by_key and self._fg_by_key.get(t.key) is t:
+            # a load that others joined ended without sharing its read (it failed, was
+            # cancelled or expired; a success shares first): so do the joined loads
+            del self._fg_by_key[t.key]
+            for j in self._fg_joiners.pop(t.key, ()):
+                self._finish(j, False)
         req = t.req
         req.ok[t.idx] = ok
         req.remaining -= 1

@@ -155,6 +155,43 @@ def test_empty_request_and_same_key_twice(make_layout, make_reactor):
     assert set(col.done) == {"empty", "empty-store", "store", "dup"} and not col.duplicates
 
 
+def test_concurrent_loads_of_one_block_read_it_once(make_layout, make_reactor):
+    """Issue 10 item 1: several requests load the same blocks at once (no DRAM tier):
+    the later loads join the first one's read (``loads_joined``), every request gets the
+    right bytes, and each file is read once. A block whose shared read fails (corrupt
+    file) fails for every load that joined it: all are misses, none waits forever."""
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=8, io_depth=2)
+    keys = keys_of("shared", 4)
+    for k in keys:
+        lay.write_block(k, payload(k, BLOCK))
+    dests = {f"req{i}": [sentinel_buf(BLOCK) for _ in keys] for i in range(4)}
+    for rid, ds in dests.items():  # queued back to back, before any read completes
+        r.load(rid, [(k, d, BLOCK) for k, d in zip(keys, ds, strict=True)])
+    done = finish(r)
+    for rid, ds in dests.items():
+        assert done[rid].ok == [True] * 4, rid
+        check_dests(keys, ds)
+    # every load either read the file, joined a read in flight or found the block still
+    # in the slot a shared read left retained; queued together, each file is read once
+    reads = r.stats.bytes_read // lay.ns.file_bytes
+    assert reads + r.stats.loads_joined + r.stats.loads_dram == 16
+    assert reads == 4 and r.stats.loads_joined > 0, r.stats
+    # a corrupt block: the read fails, and so does every load that joined it
+    bad = b"shared-bad"
+    lay.write_block(bad, payload(bad, BLOCK))
+    path = lay.path_for(bad)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 10)
+        f.write(b"\xff" * 8)
+    joined = r.stats.loads_joined
+    for i in range(3):
+        r.load(f"bad{i}", [(bad, sentinel_buf(BLOCK), BLOCK)])
+    done = finish(r)
+    assert [done[f"bad{i}"].ok for i in range(3)] == [[False]] * 3
+    assert r.stats.loads_joined > joined and r.stats.loads_corrupt == 1
+
+
 def test_pool_must_exceed_io_depth(make_layout, engine):
     lay = make_layout()
     with pytest.raises(ValueError, match="io_depth"):

@@ -168,6 +168,8 @@ WORKER_COUNTERS: dict[str, str] = {
     "preloads_staged": "Worker: preloaded blocks read into staging ahead of their request.",
     "preloads_claimed": "Worker: on-demand loads served by a staged preload (no disk read).",
     "preloads_joined": "Worker: on-demand loads that joined a preload's read in flight.",
+    "loads_joined": "Worker: on-demand loads that joined another load's read of the same "
+    "block in flight (concurrent requests: one disk read, one device copy each).",
     "preloads_deduped": "Worker: preloads skipped (block already staged, cached or read).",
     "preloads_requeued": "Worker: preloads closed and re-queued for foreground work.",
     "reactor_dead": "Worker: I/O reactor threads that died (the engine then runs "

@@ -383,6 +383,7 @@ class PyKVCacheWorker(OffloadingWorker):
                     bytes_written=s.bytes_written, disk_evicted_files=ls.evicted_files,
                     preloads_staged=s.preload_staged, preloads_claimed=s.preload_claimed,
                     preloads_joined=s.preload_joined, preloads_deduped=s.preload_deduped,
+                    loads_joined=s.loads_joined,
                     preloads_requeued=s.spec_requeued,
                     # a gauge sent as deltas (the scheduler sums them: total over ranks)
                     disk_bytes=self.layout.ledger.last)
