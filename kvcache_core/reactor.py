@@ -131,6 +131,8 @@ class ReactorStats:
     preload_staged: int = 0
     preload_claimed: int = 0
     preload_joined: int = 0
+    #: preloaded blocks whose slot was reclaimed before any load claimed them
+    preload_wasted: int = 0
     #: on-demand loads that joined another on-demand load's read of the same block (one
     #: read, one device copy each)
     loads_joined: int = 0
@@ -702,6 +704,8 @@ class Reactor:
             slot = t.slot if t.ext else alloc.acquire(t.tid, Priority.FOREGROUND)
             if slot < 0:
                 break
+            if not t.ext and self._staged[slot] is not None:
+                self._reclaim_staged(slot)
             self._opened_fg.popleft()
             self._start_read(t, slot)
             worked = True
@@ -742,6 +746,8 @@ class Reactor:
             t = self._opened_spec[0]
             slot = t.slot if t.ext else alloc.acquire(t.tid, Priority.SPECULATIVE)
             if slot >= 0:
+                if not t.ext and self._staged[slot] is not None:
+                    self._reclaim_staged(slot)
                 self._opened_spec.popleft()
                 self._start_read(t, slot)
                 worked = True
@@ -791,6 +797,8 @@ class Reactor:
                     worked = True
                     continue
                 slot = alloc.acquire(t.tid, prio)
+                if slot >= 0 and self._staged[slot] is not None:
+                    self._reclaim_staged(slot)
                 if slot < 0:
                     if not self.store_drop:
                         break
@@ -996,6 +1004,12 @@ class Reactor:
                 self.alloc.release(t.slot, t.key)
             t.slot = -1
             self._finish(t, True)
+
+    def _reclaim_staged(self, slot: int) -> None:
+        """A preloaded block's slot went to other work before any load claimed it: the
+        preload's read was wasted."""
+        self._staged[slot] = None
+        self.stats.preload_wasted += 1
 
     def _stage(self, t: _Task) -> None:
         """A preload's read finished: keep the slot (reclaimable by foreground work) and

@@ -26,6 +26,11 @@ def _rate(name: str, legend: str) -> dict:
     return {"expr": f"sum(rate({P}{name}_total[$__rate_interval]))", "legendFormat": legend}
 
 
+def _quantile(q: float, name: str, legend: str) -> dict:
+    return {"expr": f"histogram_quantile({q}, sum by (le) (rate({P}{name}_seconds_bucket"
+                    "[$__rate_interval])))", "legendFormat": legend}
+
+
 def _gauge(name: str, legend: str) -> dict:
     return {"expr": f"sum({P}{name})", "legendFormat": legend}
 
@@ -37,7 +42,11 @@ PANELS: list[tuple[str, str, str, list[dict]]] = [
     ("Lookups by outcome (chunks/s)", "ops", "timeseries",
      [_rate("hits_dram", "DRAM hit"), _rate("hits_staged", "staged (preload) hit"),
       _rate("hits_disk", "disk hit"), _rate("hits_pending", "hit pending (read in flight)"),
-      _rate("misses", "miss")]),
+      _rate("misses", "miss"), _rate("loads_joined", "load joined a read in flight")]),
+    ("Job latency p50 / p99 (store: until acknowledged; load: until on the device)", "s",
+     "timeseries",
+     [_quantile(q, h, f"{h} p{int(q * 100)}") for h in ("store", "load_dram", "load_disk")
+      for q in (0.5, 0.99)]),
     ("Disk traffic", "Bps", "timeseries",
      [_rate("bytes_read", "read"), _rate("bytes_written", "written")]),
     ("Stores and drops by cause (chunks/s)", "ops", "timeseries",
@@ -46,13 +55,15 @@ PANELS: list[tuple[str, str, str, list[dict]]] = [
       _rate("stores_dropped_capacity", "dropped: max_disk_bytes"),
       _rate("stores_dropped_enospc", "dropped: disk full"),
       _rate("stores_no_dram_slot", "no DRAM slot"),
+      _rate("stores_writeback_full", "DRAM only: write-back share full"),
       _rate("stores_skipped_gate", "skipped: gate (no files)")]),
     ("Break-even gate (requests/s)", "ops", "timeseries",
      [_rate(f"gate_{a}_{t}", f"{a} {t}") for a in ("accepted", "refused")
       for t in ("dram", "staged", "disk")]),
     ("Preload (chunks/s)", "ops", "timeseries",
      [_rate("preloads_planned", "planned"), _rate("preloads_staged", "staged"),
-      _rate("preloads_claimed", "claimed"), _rate("preloads_requeued", "requeued")]),
+      _rate("preloads_claimed", "claimed"), _rate("preloads_requeued", "requeued"),
+      _rate("preloads_wasted", "wasted (reclaimed unclaimed)")]),
     ("DRAM tier occupancy (slots)", "none", "timeseries",
      [_gauge("dram_slots", "slots"), _gauge("dram_cached", "holding a block"),
       _gauge("dram_writeback_pinned", "pinned until written")]),

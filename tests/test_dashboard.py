@@ -20,12 +20,13 @@ def test_committed_dashboard_is_current():
 
 def test_every_pykvcache_series_exists():
     pytest.importorskip("vllm")
-    from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingHistogramMetadata
 
     from kvcache_core.vllm.spec import PyKVCacheSpec
 
     defs = PyKVCacheSpec.build_metric_definitions({})
-    exposed = {n + ("_total" if isinstance(m, OffloadingCounterMetadata) else ""): n
+    exposed = {n + ("_total" if isinstance(m, OffloadingCounterMetadata) else
+                    "_bucket" if isinstance(m, OffloadingHistogramMetadata) else ""): n
                for n, m in defs.items()}
     used = set()
     for panel in json.loads(load_script("make_dashboard").render())["panels"]:

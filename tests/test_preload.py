@@ -102,6 +102,9 @@ def test_staged_preloads_are_reclaimed_by_foreground_work(root, ns, engine):
             assert bytes(d) == payload(k, BLOCK)
         assert r.alloc.peak_busy <= 5 and r.alloc.busy + r.alloc.cached <= 5
         assert r.alloc.reclaimed > 0
+        # every staged block whose slot went to the foreground loads was a wasted read
+        assert r.stats.preload_wasted == r.alloc.reclaimed > 0
+        assert r.stats.preload_claimed == 0
         r.alloc.check()
     finally:
         close_reactor(r)

@@ -557,6 +557,9 @@ def test_end_to_end_openai_server_cpu(tmp_path):
     assert met["vllm:pykvcache_healthy"] == 1, met
     assert met["vllm:pykvcache_stores_total"] == kv["stores"], met
     assert met["vllm:pykvcache_lookups_total"] > 0 and "vllm:pykvcache_dram_slots" in met
+    # job latency histograms (stores at least: every turn stored its new blocks)
+    assert met["vllm:pykvcache_store_seconds_count"] > 0, met
+    assert met["vllm:pykvcache_store_seconds_sum"] > 0, met
     assert "metrics" not in rows["prefix_cache"]
     assert "stores" not in rows["prefix_cache"]
     assert os.path.exists(out[:-5] + ".md") and os.path.exists(out[:-5] + ".png")

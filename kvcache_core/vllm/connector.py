@@ -64,13 +64,15 @@ class PyKVCacheWorkerMetadata(OffloadingWorkerMetadata):
 
     ``aggregate`` (vLLM's KVOutputAggregator, across TP workers) unions the failed keys
     and sums the counters, the per-key count of ranks that staged a preloaded key, and
-    the per-key count of ranks whose write-back from a DRAM-tier slot ended (``written``).
+    the per-key count of ranks whose write-back from a DRAM-tier slot ended (``written``);
+    it concatenates the job latencies (``observations``: histogram name -> seconds).
     """
 
     failed_keys: set[bytes] = field(default_factory=set)
     counters: dict[str, int] = field(default_factory=dict)
     staged: dict[bytes, int] = field(default_factory=dict)
     written: dict[bytes, int] = field(default_factory=dict)
+    observations: dict[str, list[float]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         base = OffloadingWorkerMetadata.aggregate(self, other)
@@ -79,7 +81,10 @@ class PyKVCacheWorkerMetadata(OffloadingWorkerMetadata):
         counters = dict(self.counters)
         staged = dict(self.staged)
         written = dict(self.written)
+        obs = {k: list(v) for k, v in self.observations.items()}
         if isinstance(other, PyKVCacheWorkerMetadata):
+            for k, v in other.observations.items():
+                obs.setdefault(k, []).extend(v)
             failed |= other.failed_keys
             for mine, theirs in ((counters, other.counters), (staged, other.staged),
                                  (written, other.written)):
@@ -88,7 +93,7 @@ class PyKVCacheWorkerMetadata(OffloadingWorkerMetadata):
         return PyKVCacheWorkerMetadata(completed_jobs=base.completed_jobs,
                                        transfer_stats=base.transfer_stats,
                                        failed_keys=failed, counters=counters, staged=staged,
-                                       written=written)
+                                       written=written, observations=obs)
 
 
 def _full_attention(spec: KVCacheSpec) -> bool:
@@ -426,7 +431,9 @@ class OffloadingConnector(_VllmOffloadingConnector):
         failed, counters = w.take_report()
         staged = dict.fromkeys(w.take_staged(), 1)
         written = dict.fromkeys(w.take_written(), 1)
-        if meta is None and not failed and not counters and not staged and not written:
+        obs = w.take_observations()
+        if (meta is None and not failed and not counters and not staged and not written
+                and not obs):
             return None
         if meta is None:
             meta = OffloadingWorkerMetadata()
@@ -434,7 +441,7 @@ class OffloadingConnector(_VllmOffloadingConnector):
         return PyKVCacheWorkerMetadata(completed_jobs=meta.completed_jobs,
                                        transfer_stats=meta.transfer_stats,
                                        failed_keys=failed, counters=counters, staged=staged,
-                                       written=written)
+                                       written=written, observations=obs)
 
     # ------------------------------------------------------------------ scheduler role
     def _restore_failed(self, failed_keys: Any) -> None:
@@ -470,5 +477,6 @@ class OffloadingConnector(_VllmOffloadingConnector):
                 self._restore_failed(meta.failed_keys)
             on_report = getattr(cs.manager, "on_worker_report", None)
             if on_report is not None:
-                on_report(meta.failed_keys, meta.counters, meta.staged, meta.written)
+                on_report(meta.failed_keys, meta.counters, meta.staged, meta.written,
+                          meta.observations)
         super().update_connector_output(connector_output)

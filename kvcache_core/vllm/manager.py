@@ -129,6 +129,22 @@ MANAGER_GAUGES: dict[str, str] = {
     "shared by every process using them, as last seen by the workers, summed over ranks).",
     "loads_in_flight": "Chunks whose load job is not complete yet.",
 }
+#: Latency histograms (seconds per vLLM transfer job, observed on the workers):
+#: name -> (help, bucket upper bounds). Prometheus ``vllm:pykvcache_<name>_seconds``.
+JOB_HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "store": ("Store job: submission to acknowledgement (its device copy done; files are "
+              "written after it).", (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                     0.25, 0.5, 1.0)),
+    "load_dram": ("Load job whose chunks all came from the DRAM tier: submission until "
+                  "they are on the device.", (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                              0.05, 0.1, 0.25, 0.5, 1.0)),
+    "load_disk": ("Load job with any chunk read from disk (or a preload's staging slot): "
+                  "submission until all its chunks are on the device.",
+                  (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)),
+}
+#: observations kept for get_stats between two calls (vLLM calls it only with stats
+#: logging on; the oldest are dropped beyond this)
+MAX_PENDING_OBSERVATIONS = 8192
 #: Counters of the connector's break-even gate (``breakeven_table``), one decision per
 #: request when it is scheduled; tiers: dram, staged (preloaded), disk.
 GATE_COUNTERS: dict[str, str] = {
@@ -168,6 +184,8 @@ WORKER_COUNTERS: dict[str, str] = {
     "preloads_staged": "Worker: preloaded blocks read into staging ahead of their request.",
     "preloads_claimed": "Worker: on-demand loads served by a staged preload (no disk read).",
     "preloads_joined": "Worker: on-demand loads that joined a preload's read in flight.",
+    "preloads_wasted": "Worker: preloaded blocks whose staging slot went to other work "
+    "before any load claimed them (the read was wasted).",
     "loads_joined": "Worker: on-demand loads that joined another load's read of the same "
     "block in flight (concurrent requests: one disk read, one device copy each).",
     "preloads_deduped": "Worker: preloads skipped (block already staged, cached or read).",
@@ -285,6 +303,7 @@ class PyKVCacheManager(OffloadingManager):
         self._dram_only: set[OffloadKey] = set()
         self._events_on = enable_events
         self._exporter: _StatsExporter | None = None
+        self._observations: dict[str, list[float]] = {}
         self._events: list[OffloadingEvent] = []
         # keys whose load failed -> until when they are treated as a miss (bounded)
         self._bad: collections.OrderedDict[OffloadKey, float] = collections.OrderedDict()
@@ -656,11 +675,20 @@ class PyKVCacheManager(OffloadingManager):
     # ------------------------------------------------------------------ worker reports
     def on_worker_report(self, failed_keys: Iterable[bytes], counters: dict[str, int],
                          staged: Mapping[bytes, int] | None = None,
-                         written: Mapping[bytes, int] | None = None) -> None:
+                         written: Mapping[bytes, int] | None = None,
+                         observations: Mapping[str, list[float]] | None = None) -> None:
         """Failed chunk keys, counter deltas, preloaded keys (key -> number of ranks
-        that staged it) and written keys (key -> number of ranks whose disk write from
-        the key's DRAM-tier slot ended) from the workers (called by the connector before
-        vLLM processes the same step's job completions)."""
+        that staged it), written keys (key -> number of ranks whose disk write from
+        the key's DRAM-tier slot ended) and job latencies (``JOB_HISTOGRAMS`` name ->
+        seconds) from the workers (called by the connector before vLLM processes the
+        same step's job completions)."""
+        if observations:
+            for name, vals in observations.items():
+                if name in JOB_HISTOGRAMS:
+                    pend = self._observations.setdefault(name, [])
+                    pend.extend(vals)
+                    if len(pend) > MAX_PENDING_OBSERVATIONS:
+                        del pend[:len(pend) - MAX_PENDING_OBSERVATIONS]
         if written:
             self._on_written(written)
         if staged:
@@ -768,13 +796,17 @@ class PyKVCacheManager(OffloadingManager):
             gauges = {}
         else:
             self._reported_gauges = gauges
-        if not delta and not gauges:
+        obs, self._observations = self._observations, {}
+        if not delta and not gauges and not obs:
             return None
         st = OffloadingConnectorStats()
         for k, d in delta.items():
             st.increase_counter(METRIC_PREFIX + k, d)
         for k, g in gauges.items():
             st.set_gauge(METRIC_PREFIX + k, g)
+        for k, vals in obs.items():
+            for v in vals:
+                st.observe_histogram(METRIC_PREFIX + k + "_seconds", v)
         return st
 
     def shutdown(self) -> None:

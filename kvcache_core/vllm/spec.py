@@ -16,6 +16,7 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingSpec,
@@ -27,6 +28,7 @@ from ..config import ConfigError
 from ..layout import integrity_key_id, load_integrity_key
 from .manager import (
     GATE_COUNTERS,
+    JOB_HISTOGRAMS,
     MANAGER_COUNTERS,
     MANAGER_GAUGES,
     METRIC_PREFIX,
@@ -74,6 +76,9 @@ class PyKVCacheSpec(OffloadingSpec):
                      for k, doc in MANAGER_GAUGES.items()})
         defs.update({METRIC_PREFIX + k: OffloadingCounterMetadata(documentation=doc)
                      for k, doc in GATE_COUNTERS.items()})
+        defs.update({METRIC_PREFIX + k + "_seconds": OffloadingHistogramMetadata(
+            documentation=doc, buckets=buckets)
+            for k, (doc, buckets) in JOB_HISTOGRAMS.items()})
         return defs
 
     def __init__(self, config: OffloadingConfig) -> None:

@@ -72,6 +72,10 @@ from .transfer import ChunkRef, KVCopier, KVGeometry
 log = logging.getLogger("vllm.pykvcache")
 
 
+#: job latencies kept for the scheduler between two reports, per histogram
+MAX_PENDING_OBSERVATIONS = 4096
+
+
 @dataclass
 class _Job:
     is_load: bool
@@ -79,6 +83,8 @@ class _Job:
     dram_slots: list[int]
     gpu_bytes: int
     t0: float = field(default_factory=time.perf_counter)
+    #: latency histogram this job is observed in (JOB_HISTOGRAMS)
+    hist: str = "store"
 
 
 class PyKVCacheWorker(OffloadingWorker):
@@ -130,6 +136,7 @@ class PyKVCacheWorker(OffloadingWorker):
         #: serve all-DRAM load jobs on this thread (False: through the reactor; tests)
         self.direct_dram = os.environ.get("KVCACHE_DIRECT_DRAM", "1") != "0"
         self._results: list[TransferResult] = []
+        self._observations: dict[str, list[float]] = {}
         self._invalid: set[int] = set()
         self._failed_keys: set[bytes] = set()
         self._cv = threading.Condition()
@@ -207,7 +214,7 @@ class PyKVCacheWorker(OffloadingWorker):
                 ref.check_header = True
             slots = [self.n_staging + s for s in src_spec.dram_slots]
             self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots),
-                                      self._gpu_bytes(refs), t0)
+                                      self._gpu_bytes(refs), t0, "load_dram")
             self.reactor.note_foreground()
             self.reactor.trace_event("direct_load", job_id, len(refs))
             self._direct[job_id] = self.copier.load_direct(slots, refs)
@@ -220,8 +227,9 @@ class PyKVCacheWorker(OffloadingWorker):
                 ref.check_header = True
             items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext,
                           flag if slot >= 0 else 0))
+        tier = "load_dram" if all(f & IN_SLOT for f in src_spec.flags) else "load_disk"
         self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots), self._gpu_bytes(refs),
-                                  t0)
+                                  t0, tier)
         self.reactor.load(job_id, items)
         self.timing["main_submit_load_s"] += time.perf_counter() - t0
         return True
@@ -259,8 +267,9 @@ class PyKVCacheWorker(OffloadingWorker):
                 continue
             if job.is_load:
                 self._load_done(job, c.ok)
-            self._results.append(TransferResult(c.req_id, True, job.gpu_bytes,
-                                                time.perf_counter() - job.t0))
+            dt = time.perf_counter() - job.t0
+            self._results.append(TransferResult(c.req_id, True, job.gpu_bytes, dt))
+            self._observe(job.hist, dt)
 
     def _load_done(self, job: _Job, ok: list[bool] | None) -> None:
         """Counters and failure bookkeeping of a finished load job (``ok`` per chunk from
@@ -293,8 +302,9 @@ class PyKVCacheWorker(OffloadingWorker):
             self.reactor.trace_event("direct_done", j)
             job = self._jobs.pop(j)
             self._load_done(job, None)
-            self._results.append(TransferResult(j, True, job.gpu_bytes,
-                                                time.perf_counter() - job.t0))
+            dt = time.perf_counter() - job.t0
+            self._results.append(TransferResult(j, True, job.gpu_bytes, dt))
+            self._observe(job.hist, dt)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call (all reported successful; see module doc)."""
@@ -383,7 +393,7 @@ class PyKVCacheWorker(OffloadingWorker):
                     bytes_written=s.bytes_written, disk_evicted_files=ls.evicted_files,
                     preloads_staged=s.preload_staged, preloads_claimed=s.preload_claimed,
                     preloads_joined=s.preload_joined, preloads_deduped=s.preload_deduped,
-                    loads_joined=s.loads_joined,
+                    loads_joined=s.loads_joined, preloads_wasted=s.preload_wasted,
                     preloads_requeued=s.spec_requeued,
                     # a gauge sent as deltas (the scheduler sums them: total over ranks)
                     disk_bytes=self.layout.ledger.last)
@@ -410,6 +420,22 @@ class PyKVCacheWorker(OffloadingWorker):
                 delta[k] = d
                 self._reported[k] = v
         return failed, delta
+
+    def _observe(self, name: str, seconds: float) -> None:
+        """One job latency for the scheduler's histograms (bounded: if nobody takes them,
+        e.g. a test, the oldest half is dropped)."""
+        obs = self._observations.setdefault(name, [])
+        obs.append(seconds)
+        if len(obs) > MAX_PENDING_OBSERVATIONS:
+            del obs[:MAX_PENDING_OBSERVATIONS // 2]
+
+    def take_observations(self) -> dict[str, list[float]]:
+        """Job latencies (histogram name -> seconds) since the last call: a store job
+        from submission to its acknowledgement (device copy done), a load job from
+        submission until its chunks are on the device, by source tier (``load_dram``: all
+        chunks DRAM-tier hits; ``load_disk``: any chunk read from disk or staging)."""
+        out, self._observations = self._observations, {}
+        return out
 
     def take_staged(self) -> list[bytes]:
         """Keys that preloads staged (or found already staged) since the last call, for

@@ -123,6 +123,10 @@ def test_scheduler_and_worker_specs_agree(tmp_path, vllm_available):
     assert isinstance(defs["vllm:pykvcache_healthy"], OffloadingGaugeMetadata)
     assert isinstance(defs["vllm:pykvcache_dram_cached"], OffloadingGaugeMetadata)
     assert isinstance(defs["vllm:pykvcache_ops_expired"], OffloadingCounterMetadata)
+    from vllm.v1.kv_offload.base import OffloadingHistogramMetadata
+
+    for h in ("store", "load_dram", "load_disk"):
+        assert isinstance(defs[f"vllm:pykvcache_{h}_seconds"], OffloadingHistogramMetadata)
 
 
 # ------------------------------------------------------------------------ chunk mapping
@@ -337,6 +341,12 @@ def test_worker_store_load_dram_and_disk(worker):
     # jobs 5 and 7 were all DRAM hits: served on this thread, never through the reactor
     # (job 3 mixed a DRAM hit with a disk chunk: the reactor served its DRAM chunk)
     assert st["loads_dram"] == 1 and w.stats()["chunks_loaded_dram"] == 3
+    # one latency per job for the scheduler's histograms, by tier: jobs 5 and 7 all
+    # DRAM, 3 and 6 with a disk chunk; the stores 1, 2 and 4
+    obs = w.take_observations()
+    assert {k: len(v) for k, v in obs.items()} == {"store": 3, "load_disk": 2,
+                                                   "load_dram": 2}
+    assert all(x > 0 for v in obs.values() for x in v) and w.take_observations() == {}
 
 
 def test_worker_dram_only_chunk_fills_its_slot_and_writes_no_file(worker):
@@ -737,6 +747,12 @@ def test_manager_slots_hits_and_failures(tmp_path, vllm_available):
     st = m.get_stats()
     assert st is not None and m.get_stats() is None  # deltas only, gauges when changed
     assert st._values["vllm:pykvcache_healthy"] == {(): 1}
+    # job latencies from the workers become histogram observations (once)
+    m.on_worker_report(set(), {}, None, None, {"load_disk": [0.2, 0.4], "bogus": [1.0]})
+    st = m.get_stats()
+    assert st is not None and st._types["vllm:pykvcache_load_disk_seconds"] == "histogram"
+    assert sorted(st._values["vllm:pykvcache_load_disk_seconds"][()]) == [0.2, 0.4]
+    assert not any("bogus" in k for k in st._values) and m.get_stats() is None
     g = m.gauges()
     assert g["healthy"] == 1 and g["dram_cached"] == m.dram.cached
     assert g["stores_in_flight"] == 0 and g["loads_in_flight"] == 0
@@ -758,16 +774,19 @@ def test_specs_and_metadata_pickle_and_aggregate(vllm_available):
     assert ss.keys == [key(2)] and ss.dram_slots == [-1]
     a = PyKVCacheWorkerMetadata(completed_jobs={1: 1}, failed_keys={key(1)},
                                 counters={"files_corrupt": 1}, staged={key(3): 1},
-                                written={key(5): 1})
+                                written={key(5): 1}, observations={"store": [0.1]})
     b = PyKVCacheWorkerMetadata(completed_jobs={1: 1, 2: 1}, failed_keys={key(2)},
                                 counters={"files_corrupt": 2, "bytes_read": 5},
-                                staged={key(3): 1, key(4): 1}, written={key(5): 1})
+                                staged={key(3): 1, key(4): 1}, written={key(5): 1},
+                                observations={"store": [0.2], "load_dram": [0.3]})
     c = pickle.loads(pickle.dumps(a.aggregate(b)))
     assert isinstance(c, PyKVCacheWorkerMetadata)
     assert c.completed_jobs == {1: 2, 2: 1} and c.failed_keys == {key(1), key(2)}
     assert c.counters == {"files_corrupt": 3, "bytes_read": 5}
     assert c.staged == {key(3): 2, key(4): 1}  # ranks that staged each key
     assert c.written == {key(5): 2}  # ranks that wrote each key
+    assert c.observations == {"store": [0.1, 0.2], "load_dram": [0.3]}  # every rank's
+    assert a.observations == {"store": [0.1]}  # the inputs are not modified
 
 
 def test_manager_staged_blocks_count_as_fast_tier(tmp_path, vllm_available, monkeypatch):
