@@ -21,7 +21,6 @@ import sys
 import time
 
 import pytest
-from helpers.gluster import GlusterSession, GlusterUnavailable
 from helpers.kvutil import HERE, REPO, list_files, published_bytes, read_ledger
 
 from kvcache_core.config import ConfigError, StorageConfig
@@ -33,27 +32,6 @@ OWN = 400  # keys only one writer publishes, per writer
 SHARED = 300  # keys both writers publish at the same time (race inside publish)
 MAX_LAG_S = 5.0
 METHOD = {"single": "auto", "replica": "auto", "distribute": "rename"}
-
-
-@pytest.fixture(scope="session")
-def gluster():
-    gs = GlusterSession()
-    try:
-        gs.start()
-    except GlusterUnavailable as e:
-        gs.close()
-        pytest.skip(f"GlusterFS unavailable: {e}")
-    yield gs
-    problems = gs.close()
-    assert not problems, f"GlusterFS teardown: {problems}"
-
-
-@pytest.fixture
-def mounts(gluster, request):
-    """(layout, mount 1, mount 2, a fresh root name) of the session's volume of the
-    layout (created by the first test that needs it, reused by the others)."""
-    m1, m2 = gluster.volume(request.param)
-    return request.param, m1, m2, f"root-{request.param}-{time.time_ns()}"
 
 
 def _spawn(*args: str) -> subprocess.Popen:

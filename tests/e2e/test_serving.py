@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -204,6 +205,57 @@ def test_two_engines_share_one_root(reference, model_dir, workdir):
     written = s1["stores_written"] + s2["stores_written"]
     assert written == 6, (s1, s2)
     assert len(H.cache_files(root)) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mounts", ["distribute"], indirect=True)
+def test_two_engines_on_two_glusterfs_mounts(reference, model_dir, workdir, mounts):
+    """Issue 16 item 4: two real engines, each on its own FUSE mount of one GlusterFS
+    volume (two-brick distribute, where only rename publishes are safe: the root's
+    publish method is left on ``auto``). Both store prompt B at the same time (one
+    publish per file across the mounts), then the second engine hits the first's files
+    for A once they are visible on its mount; every output equals recompute."""
+    layout, m1, m2, name = mounts
+    root1, root2 = os.path.join(m1, name), os.path.join(m2, name)
+    sig = os.path.join(workdir, f"gl_first_stored_A_{name}")
+    seen = os.path.join(workdir, f"gl_visible_A_{name}")
+    p1, o1 = H.run_proc({"model_dir": model_dir, "extra": H.extra_config(root1), "steps": [
+        {"op": "generate", "prompt": "B", "tag": "B"}, {"op": "drain"},
+        {"op": "generate", "prompt": "A", "tag": "A"}, {"op": "drain"},
+        {"op": "signal", "path": sig}]}, wait=False,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    p2, o2 = H.run_proc({"model_dir": model_dir, "extra": H.extra_config(root2), "steps": [
+        {"op": "generate", "prompt": "B", "tag": "B"}, {"op": "drain"},
+        {"op": "wait_for", "path": seen, "timeout": 400},
+        {"op": "generate", "prompt": "A", "tag": "A"}, {"op": "drain"}]}, wait=False,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    # the first engine published A through mount 1: wait until mount 2 shows all six
+    # files (a distributed filesystem's visibility lag; measured, not slept over)
+    deadline = time.monotonic() + 400
+    while not os.path.exists(sig) and p1.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    t_sig = time.monotonic()
+    while len(H.cache_files(root2)) < 6 and time.monotonic() < t_sig + 30:
+        time.sleep(0.05)
+    lag = time.monotonic() - t_sig
+    with open(seen, "w") as f:
+        f.write(f"{lag:.3f}")
+    r1 = H.finish_proc(p1, o1, timeout=400)
+    r2 = H.finish_proc(p2, o2, timeout=400)
+    for r in (r1, r2):
+        assert H.same_output(r["results"]["B"], reference["B"])
+        assert H.same_output(r["results"]["A"], reference["A"])
+    assert r1["results"]["A"]["num_cached_tokens"] == 0
+    assert r2["results"]["A"]["num_cached_tokens"] == FULL_HIT, (lag, r2["stats"])
+    s1, s2 = r1["stats"]["final"], r2["stats"]["final"]
+    assert s2["chunks_loaded_disk"] >= 3 and s1["files_corrupt"] == s2["files_corrupt"] == 0
+    # B's three files were published once across the two mounts (the loser of the race
+    # counts the file as existing), A's three by the first engine
+    assert s1["stores_written"] + s2["stores_written"] == 6, (s1, s2)
+    assert len(H.cache_files(root1)) == len(H.cache_files(root2)) == 6
+    print(f"{layout}: A visible on the second mount {lag:.3f} s after the first engine "
+          f"drained")
 
 
 @pytest.fixture
