@@ -14,6 +14,7 @@ not installable). ``KV_GLUSTER_REPORT=path`` appends the measured numbers (JSON 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -221,3 +222,74 @@ def test_rename_first_writer_wins_and_counts_once(make_layout):
     finals, temps = list_files(lay.base)
     assert len(finals) == 2 and temps == []
     assert read_ledger(lay.base) == published_bytes(lay.base) == 2 * tmps[0][2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mounts", ["single"], indirect=True)
+def test_a_mount_that_dies_mid_run_fails_requests_and_never_hangs(mounts, gluster):
+    """Issue 16 item 3: the FUSE client of one node's mount freezes (SIGSTOP: a hung
+    server, every operation blocks) while a reactor loads from it, then dies (SIGKILL).
+    Frozen: the loads complete as misses within ``io_timeout_s`` (vLLM recomputes), the
+    reactor keeps its stuck operations until they return. Dead: the stuck operations come
+    back with an error and are reaped, new loads are misses and new stores are dropped at
+    once, and the reactor closes without hanging. The other mount, another node, keeps
+    serving the same blocks intact."""
+    import signal as sig
+
+    from helpers.kvutil import close_reactor, finish, payload, sentinel_buf
+
+    from kvcache_core.copy import MemcpyCopier
+    from kvcache_core.reactor import Reactor
+
+    layout, m1, _m2, name = mounts
+    m3 = gluster.extra_mount(layout, f"doomed-{time.time_ns()}")
+    n = NS.block_bytes
+    keys = [f"dying-{i}".encode() for i in range(8)]
+    lay = Layout(os.path.join(m3, name), NS, publish_method="rename")
+    r = Reactor(lay, copier=MemcpyCopier, pin=False, n_slots=6, io_depth=2,
+                io_timeout_s=1.0)
+    other = None
+    pid = gluster.client_pid(m3)
+    try:
+        r.store("s", [(k, payload(k, n), n) for k in keys])
+        assert finish(r)["s"].ok == [True] * 8
+        os.kill(pid, sig.SIGSTOP)  # the server hangs: every operation on m3 blocks
+        t0 = time.monotonic()
+        r.load("frozen", [(k, sentinel_buf(n), n) for k in keys[:4]])
+        done = finish(r, timeout=30)
+        frozen_s = time.monotonic() - t0
+        assert done["frozen"].ok == [False] * 4 and frozen_s < 2 * 1.0 + 3, frozen_s
+        assert r.healthy and r.stats.ops_expired + r.stats.items_expired >= 1
+        os.kill(pid, sig.SIGKILL)  # ... and dies: the stuck operations return ENOTCONN
+        os.kill(pid, sig.SIGCONT)
+        t0 = time.monotonic()
+        r.load("dead", [(k, sentinel_buf(n), n) for k in keys[4:]])
+        r.store("dead-store", [(b"dying-new", payload(b"dying-new", n), n)])
+        done = finish(r, timeout=30)
+        assert done["dead"].ok == [False] * 4
+        assert done["dead-store"].ok == [False]
+        assert time.monotonic() - t0 < 10
+        # another node's mount of the same volume still serves every block intact
+        other = Reactor(Layout(os.path.join(m1, name), NS, publish_method="rename"),
+                        copier=MemcpyCopier, pin=False, n_slots=6, io_depth=2)
+        dests = [sentinel_buf(n) for _ in keys]
+        other.load("other", [(k, d, n) for k, d in zip(keys, dests, strict=True)])
+        assert finish(other)["other"].ok == [True] * 8
+        for k, d in zip(keys, dests, strict=True):
+            assert bytes(d[:n]) == payload(k, n)
+        print(f"frozen mount: loads failed after {frozen_s:.2f} s (ops_expired "
+              f"{r.stats.ops_expired}, items_expired {r.stats.items_expired}); dead "
+              f"mount: errors {r.stats.errors}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig.SIGKILL)
+            os.kill(pid, sig.SIGCONT)
+        t0 = time.monotonic()
+        assert close_reactor(r), "the reactor did not close after its mount died"
+        assert time.monotonic() - t0 < 30
+        with contextlib.suppress(Exception):
+            lay.close()
+        if other is not None:
+            assert close_reactor(other)
+            other.layout.close()

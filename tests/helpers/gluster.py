@@ -240,6 +240,32 @@ class GlusterSession:
         self.timings[f"{layout}_s"] = time.monotonic() - t0
         return self.volumes[layout]
 
+    def extra_mount(self, layout: str, tag: str) -> str:
+        """One more FUSE mount (its own client process) of ``layout``'s volume, e.g. for a
+        test that kills it; unmounted (lazily, if dead) at teardown."""
+        self.volume(layout)
+        name = next(v for v in self._vols if v.startswith(f"kvt{layout[:4]}"))
+        m = os.path.join(self.workdir, f"mnt-{layout}-{tag}")
+        os.makedirs(m, exist_ok=True)
+        self._mount(name, m)
+        return m
+
+    @staticmethod
+    def client_pid(mnt: str) -> int:
+        """PID of the glusterfs FUSE client process serving mount point ``mnt``."""
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue
+            if args and os.path.basename(args[0]) == b"glusterfs" and (
+                    mnt.encode() in args):
+                return int(d)
+        raise GlusterError(f"no glusterfs client process for {mnt}")
+
     def _mount(self, name: str, mnt: str) -> None:
         """Mount, retried while the bricks come up (a mount that succeeds but whose
         volume is not reachable yet shows up as ENOTCONN on the first stat)."""
