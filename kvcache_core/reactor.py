@@ -619,13 +619,12 @@ class Reactor:
         ``shared``: the slot holds a read this load made or joined, not a cache hit)."""
         held = self._slot_len[slot]
         t.nbytes = min(t.nbytes, held) if t.nbytes else held
-        if shared:
-            pass
-        elif self._staged[slot] == t.key:  # first use of a preloaded block
-            self._staged[slot] = None
-            self.stats.preload_claimed += 1
-        else:
-            self.stats.loads_dram += 1
+        if not shared:
+            if self._staged[slot] == t.key:  # first use of a preloaded block
+                self._staged[slot] = None
+                self.stats.preload_claimed += 1
+            else:
+                self.stats.loads_dram += 1
         if t.ext:  # the caller wants the block in its own slot (its DRAM tier): copy it over
             n = HEADER_BYTES + held
             self.pool.views[t.slot][:n] = self.pool.views[slot][:n]
@@ -696,16 +695,13 @@ class Reactor:
     # ---------------------------------------------------------------- scheduling
     def _schedule(self) -> bool:
         worked = False
-        alloc = self.alloc
         eng = self.engine
         # 1. ready foreground reads
         while self._opened_fg and self._io_inflight < self.io_depth:
             t = self._opened_fg[0]
-            slot = t.slot if t.ext else alloc.acquire(t.tid, Priority.FOREGROUND)
+            slot = t.slot if t.ext else self._acquire(t.tid, Priority.FOREGROUND)
             if slot < 0:
                 break
-            if not t.ext and self._staged[slot] is not None:
-                self._reclaim_staged(slot)
             self._opened_fg.popleft()
             self._start_read(t, slot)
             worked = True
@@ -744,10 +740,8 @@ class Reactor:
             worked = True
         if self._opened_spec and not self._opened_fg and self._io_inflight < self.io_depth:
             t = self._opened_spec[0]
-            slot = t.slot if t.ext else alloc.acquire(t.tid, Priority.SPECULATIVE)
+            slot = t.slot if t.ext else self._acquire(t.tid, Priority.SPECULATIVE)
             if slot >= 0:
-                if not t.ext and self._staged[slot] is not None:
-                    self._reclaim_staged(slot)
                 self._opened_spec.popleft()
                 self._start_read(t, slot)
                 worked = True
@@ -777,7 +771,6 @@ class Reactor:
         above the foreground reservation (``"drop"``: none free -> the block and the
         request's later staging blocks are dropped; ``"wait"``: the queue waits, FIFO)."""
         q = self._new_store
-        alloc = self.alloc
         batches = self._sb_tasks
         prio = Priority.SPECULATIVE if self.store_drop else Priority.FOREGROUND
         worked = False
@@ -796,9 +789,7 @@ class Reactor:
                     self._finish(t, True)
                     worked = True
                     continue
-                slot = alloc.acquire(t.tid, prio)
-                if slot >= 0 and self._staged[slot] is not None:
-                    self._reclaim_staged(slot)
+                slot = self._acquire(t.tid, prio)
                 if slot < 0:
                     if not self.store_drop:
                         break
@@ -1005,11 +996,14 @@ class Reactor:
             t.slot = -1
             self._finish(t, True)
 
-    def _reclaim_staged(self, slot: int) -> None:
-        """A preloaded block's slot went to other work before any load claimed it: the
-        preload's read was wasted."""
-        self._staged[slot] = None
-        self.stats.preload_wasted += 1
+    def _acquire(self, tid: int, prio: Priority) -> int:
+        """A staging slot for task ``tid`` (-1: none). A slot that still held a preloaded
+        block no load claimed counts that preload as wasted."""
+        slot = self.alloc.acquire(tid, prio)
+        if slot >= 0 and self._staged[slot] is not None:
+            self._staged[slot] = None
+            self.stats.preload_wasted += 1
+        return slot
 
     def _stage(self, t: _Task) -> None:
         """A preload's read finished: keep the slot (reclaimable by foreground work) and

@@ -60,7 +60,7 @@ SLIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
         "var/cache/apt/archives", "var/lib/apt/lists", "var/cache/debconf/templates.dat-old")
 LABEL = "py-kvcache-test-image=1"
 WHEELS_PORT = int(os.environ.get("TEST_IMAGE_WHEELS_PORT", "38471"))
-# tests/test_sharegpt_bench.py TINY: a tiny Llama with the Llama 3 vocabulary
+# a tiny Llama with the Llama 3 vocabulary (also the model of tests/test_sharegpt_bench.py)
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
     "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,

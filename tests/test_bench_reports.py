@@ -335,6 +335,28 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
 
+def _longdoc_cpu(tmp_path, name: str, *args: str) -> tuple[subprocess.CompletedProcess,
+                                                           str, str]:
+    """Run ``kvcache_core.bench.longdoc`` on real vLLM (CPU platform, the TINY model with
+    dummy weights) with ``args`` after the common ones: (process, result JSON, preload
+    JSON)."""
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    out = str(tmp_path / "res" / f"{name}-tiny.json")
+    pre = str(tmp_path / "res" / "preload-tiny.json")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run(
+        [sys.executable, "-m", "kvcache_core.bench.longdoc", "--model", str(model),
+         "--root", str(tmp_path / "root"), "--json", out, "--preload-json", pre,
+         "--staging-bytes", str(4 << 20), "--io-depth", "2", "--timeout", "200",
+         "--machine", "cpu-test", "--no-probe", *args],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
+    return p, out, pre
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
@@ -343,23 +365,11 @@ def test_scbench_end_to_end_cpu(tmp_path):
     weights): 4 contexts of 1024 tokens x 3 rounds, 2 in flight, py-kvcache with preload
     and a DRAM tier of 1.3 contexts (native_fs does not run on vLLM's CPU platform)."""
     pytest.importorskip("vllm")
-    model = tmp_path / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY))
-    out = str(tmp_path / "res" / "scbench-tiny.json")
-    pre = str(tmp_path / "res" / "preload-tiny.json")
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.monotonic()
-    p = subprocess.run(
-        [sys.executable, "-m", "kvcache_core.bench.longdoc", "--model", str(model),
-         "--root", str(tmp_path / "root"), "--json", out, "--preload-json", pre,
-         "--workload", "scbench", "--tokens", "1024", "--docs", "4", "--repeats", "3",
-         "--concurrency", "2", "--gpu-blocks", "20", "--configs", "kvcache_preload",
-         "--staging-bytes", str(4 << 20), "--io-depth", "2", "--timeout", "200",
-         "--machine", "cpu-test", "--no-probe"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
+    p, out, pre = _longdoc_cpu(
+        tmp_path, "scbench", "--workload", "scbench", "--tokens", "1024", "--docs", "4",
+        "--repeats", "3", "--concurrency", "2", "--gpu-blocks", "20",
+        "--configs", "kvcache_preload")
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.load(open(out))
     (r,) = res["results"]
@@ -389,26 +399,14 @@ def test_mixed_preload_workload_counts_tree_reads_cpu(tmp_path):
     """``longdoc --workload mixed`` (the H200 ``preload`` step) on real vLLM (CPU platform,
     tiny Llama): the load phase's row carries the engine process tree's disk reads and
     the page cache growth, measured the same way for every configuration (so native_fs's
-    buffered reads can be compared with py-kvcache's O_DIRECT ones), and a DRAM tier
-    budget given with ``--kv-extra`` reaches the engine."""
+    buffered reads can be compared with py-kvcache's O_DIRECT ones), and the row names
+    the extra config keys given with ``--kv-extra``."""
     pytest.importorskip("vllm")
-    model = tmp_path / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY))
-    out = str(tmp_path / "res" / "mixed-tiny.json")
-    pre = str(tmp_path / "res" / "preload-tiny.json")
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run(
-        [sys.executable, "-m", "kvcache_core.bench.longdoc", "--model", str(model),
-         "--root", str(tmp_path / "root"), "--json", out, "--preload-json", pre,
-         "--workload", "mixed", "--tokens", "1024", "--docs", "2", "--repeats", "3",
-         "--fresh-frac", "0.25", "--concurrency", "4", "--gpu-blocks", "160",
-         "--configs", "kvcache_nopreload", "--staging-bytes", str(4 << 20),
-         "--io-depth", "2", "--timeout", "200", "--machine", "cpu-test", "--no-probe",
-         "--kv-extra", "eviction_policy=arc", "--kv-extra", "writeback_max_fraction=0.25"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
+    p, out, pre = _longdoc_cpu(
+        tmp_path, "mixed", "--workload", "mixed", "--tokens", "1024", "--docs", "2",
+        "--repeats", "3", "--fresh-frac", "0.25", "--concurrency", "4",
+        "--gpu-blocks", "160", "--configs", "kvcache_nopreload",
+        "--kv-extra", "eviction_policy=arc", "--kv-extra", "writeback_max_fraction=0.25")
     assert p.returncode == 0, p.stderr[-4000:]
     (r,) = json.load(open(out))["results"]
     assert "error" not in r, r

@@ -18,6 +18,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from helpers.kvutil import load_script
 
 from kvcache_core.bench import sharegpt as S
 
@@ -499,14 +500,8 @@ def test_server_that_fails_to_start_gives_an_error_row(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- end to end (vLLM, CPU)
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 128256,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "bos_token_id": 128000, "eos_token_id": 128001,
-}
+# the tiny Llama with the Llama 3 vocabulary that the image test serves too
+TINY = load_script("test_image").TINY
 
 
 @pytest.mark.slow

@@ -208,7 +208,8 @@ class PyKVCacheWorker(OffloadingWorker):
         assert isinstance(src_spec, PyKVLoadSpec), type(src_spec)
         t0 = time.perf_counter()
         refs = self.kv.split(dst_spec, src_spec.keys)
-        if self.direct_dram and refs and all(f & IN_SLOT for f in src_spec.flags):
+        all_dram = all(f & IN_SLOT for f in src_spec.flags)
+        if self.direct_dram and refs and all_dram:
             # every chunk is a DRAM hit: no disk, so no reactor either (see module doc)
             for ref in refs:
                 ref.check_header = True
@@ -227,9 +228,8 @@ class PyKVCacheWorker(OffloadingWorker):
                 ref.check_header = True
             items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext,
                           flag if slot >= 0 else 0))
-        tier = "load_dram" if all(f & IN_SLOT for f in src_spec.flags) else "load_disk"
         self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots), self._gpu_bytes(refs),
-                                  t0, tier)
+                                  t0, "load_dram" if all_dram else "load_disk")
         self.reactor.load(job_id, items)
         self.timing["main_submit_load_s"] += time.perf_counter() - t0
         return True
