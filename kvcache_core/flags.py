@@ -10,3 +10,8 @@ from __future__ import annotations
 IN_SLOT = 1
 #: store item: fill the (external) slot only, do not write a file
 NO_DISK = 2
+#: store item: the block's bytes are already in its (external) slot, written there by an
+#: earlier store that wrote no file; write the file from the slot only (a deferred
+#: write-back, "flush"). The slot must hold the key (checked) and stay unchanged until
+#: the item completes: the caller keeps it pinned meanwhile.
+FLUSH = 4

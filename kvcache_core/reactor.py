@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .copy import Copier, NullCopier
-from .flags import IN_SLOT, NO_DISK
+from .flags import FLUSH, IN_SLOT, NO_DISK
 from .io import IOEngine, make_engine, probe_direct
-from .layout import HEADER_BYTES, MAX_KEY_BYTES, CapacityExceeded, CorruptBlock, Layout
+from .layout import HEADER_BYTES, MAX_KEY_BYTES, CapacityExceeded, CorruptBlock, Layout, round_up
 from .staging import Priority, SlotAllocator, StagingPool
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,10 @@ class ReactorStats:
     loads_error: int = 0
     stores_ok: int = 0
     stores_existing: int = 0
+    #: deferred write-backs (``FLUSH`` items) started from a caller-owned slot, and those
+    #: refused because the slot no longer held the key's block
+    stores_flushed: int = 0
+    flushes_invalid: int = 0
     #: file operations that passed ``io_timeout_s``: their item failed at once (a load is a
     #: miss, vLLM recomputes; a store is dropped); the operation itself is reaped whenever
     #: the kernel finishes it
@@ -376,7 +380,11 @@ class Reactor:
         self._submit(req_id, LOAD, items, priority)
 
     def store(self, req_id: Hashable, items: Sequence[tuple[bytes, Any, int]]) -> None:
-        """Queue a store of ``items`` = [(key, src, nbytes)] (src: what the copier reads)."""
+        """Queue a store of ``items`` = [(key, src, nbytes)] (src: what the copier reads),
+        or [(key, src, nbytes, external slot, flags)] to store into a caller-owned slot
+        (``NO_DISK``: fill the slot, write no file; ``FLUSH``: src None, nbytes 0, the
+        block is in the slot already from an earlier ``NO_DISK`` store: write its file
+        only, the caller keeps the slot unchanged until this completes)."""
         self._submit(req_id, STORE, items, Priority.FOREGROUND)
 
     @property
@@ -420,7 +428,11 @@ class Reactor:
             key, nbytes = item[0], item[2]
             if not isinstance(key, (bytes, bytearray)) or not 0 < len(key) <= MAX_KEY_BYTES:
                 raise ValueError(f"py-kvcache: key must be 1..{MAX_KEY_BYTES} bytes")
-            if not 0 <= nbytes <= limit or (kind == STORE and nbytes == 0):
+            flush = kind == STORE and len(item) > 4 and item[4] & FLUSH
+            if flush and not (item[3] >= 0 and nbytes == 0):
+                raise ValueError("py-kvcache: a FLUSH item names its external slot and "
+                                 "nbytes 0 (the length comes from the slot's header)")
+            if not 0 <= nbytes <= limit or (kind == STORE and nbytes == 0 and not flush):
                 raise ValueError(f"py-kvcache: nbytes {nbytes} outside 1..{limit} (block size)")
             if len(item) > 3 and item[3] >= 0 and not self.n_staging <= item[3] < n_pool:
                 raise ValueError(f"py-kvcache: slot {item[3]} is not an external slot "
@@ -552,7 +564,10 @@ class Reactor:
             t.kind, t.key, t.ref, t.nbytes = kind, item[0], item[1], item[2]
             t.req, t.idx, t.prio = req, i, prio
             if kind == STORE:
-                req.hold += 1
+                if len(item) > 4 and item[4] & FLUSH:
+                    t.copied = True  # its bytes are in the slot already: no source to wait
+                else:
+                    req.hold += 1
             if len(item) > 3 and item[3] >= 0:
                 t.slot, t.ext, t.flags = item[3], True, item[4]
                 if kind == LOAD and t.flags & IN_SLOT:  # DRAM tier owned by the caller
@@ -571,8 +586,32 @@ class Reactor:
     def _route(self, t: _Task) -> None:
         if t.kind == LOAD:
             self._route_load(t)
+        elif t.flags & FLUSH:
+            self._start_flush(t)
         else:
             self._new_store.append(t)
+
+    def _start_flush(self, t: _Task) -> None:
+        """A deferred write-back: the block is in ``t``'s caller-owned slot already (an
+        earlier store kept it there without a file), so it joins the write-back queue as
+        if just copied. A slot that does not hold the key fails the item, writes nothing."""
+        view = self.pool.views[t.slot]
+        try:
+            n = self.layout.check_identity(view, t.key)
+        except CorruptBlock as e:
+            log.warning("py-kvcache: flush of a slot that does not hold its key: %s", e)
+            self.stats.flushes_invalid += 1
+            self._finish(t, False)
+            return
+        if self.layout.exists(t.key):  # written meanwhile (another instance)
+            self.stats.stores_existing += 1
+            self._finish(t, True)
+            return
+        self.stats.stores_flushed += 1
+        t.nbytes = n
+        t.wlen = HEADER_BYTES + round_up(n)
+        t.state = WB_QUEUED
+        self._wq.append(t)
 
     def _route_load(self, t: _Task) -> None:
         """Where a new load goes: retained/staged slot, join an in-flight preload, queue."""

@@ -208,11 +208,13 @@ case "$STEP" in
     # missing ones in a later call. CONFIGS, TOKENS, ROUNDS, TIMEOUT narrow a call.
     TOKENS=${TOKENS:-32768}
     GB=$(( (2 * (TOKENS + 64) + 15) / 16 + 96 ))
-    "${B[@]}" --json "$RES/scbench-run-$M.json" --workload scbench --tokens "$TOKENS" \
+    # KVEXTRA=writeback_flush=true SUFFIX=-flush: py-kvcache with the deferred write-back
+    # of blocks kept in DRAM while the write-back was full (the A/B of that key).
+    "${B[@]}" --json "$RES/scbench-run-$M$SFX.json" --workload scbench --tokens "$TOKENS" \
       --docs 4 --repeats "${ROUNDS:-6}" --concurrency 4 --gpu-blocks "$GB" \
       --timeout "${TIMEOUT:-170}" \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
-      --preload-json "$RES/preload-$M.json" ;;
+      --preload-json "$RES/preload-$M$SFX.json" ;;
   *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac
 # one archive: the device tool brings back only a few files per call

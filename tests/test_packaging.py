@@ -1,6 +1,6 @@
 """Packaging (issue 13 item 5): the wheel carries the vLLM patch series, so an installed
 py-kvcache (not a source checkout) can patch and check vLLM; the declared dependencies are
-pinned to what vLLM 0.26.0 runs with."""
+pinned to what the supported vLLM releases (0.26.0, 0.32.0) run with."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def test_dependencies_are_pinned_and_complete():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         proj = tomllib.load(f)["project"]
     deps = {d.split("=")[0].split(">")[0].split("<")[0].strip(): d for d in proj["dependencies"]}
-    assert deps["torch"] == "torch==2.11.*"  # never moves torch under vLLM 0.26.0
+    # torch 2.11 (vLLM 0.26) or 2.13 (vLLM 0.32): never moves torch under either
+    assert deps["torch"] == "torch>=2.11,!=2.12.*,<2.14"
     assert "<" in deps["liburing"] and "<" in deps["xxhash"]  # tested ranges, not floors
     assert "numpy" in deps  # imported by the vLLM glue and the benchmarks
     assert "cupy" not in proj.get("optional-dependencies", {})  # nothing uses it

@@ -176,3 +176,46 @@ def test_writeback_defer_knob_holds_files_behind_foreground_work(make_layout, mo
             assert lay.read_block(k) == payload(k, BLOCK)
     finally:
         r.close()
+
+
+def test_flush_writes_a_kept_dram_slot_later_and_refuses_a_wrong_one(make_layout):
+    """Deferred write-back: blocks stored into caller-owned slots WITHOUT a file (NO_DISK,
+    the scheduler's write-back was full) are written later from those slots by FLUSH
+    items, with no device copy (the source is gone by then) and the same publish path
+    (checksum sealed, file readable and verified). A FLUSH of a slot that holds another
+    key's block writes nothing and fails only that item; a key already on disk is not
+    written twice."""
+    from kvcache_core.flags import FLUSH, NO_DISK
+
+    lay = make_layout()
+    CountingCopier.batches = []
+    r = Reactor(lay, n_slots=4, io_depth=2, external_slots=4, copier=CountingCopier,
+                pin=False, early_store_ack=True, store_policy="drop")
+    try:
+        ks = keys_of("kept", 3)
+        base = r.n_staging
+        r.store("S", [(k, payload(k, BLOCK), BLOCK, base + i, NO_DISK)
+                      for i, k in enumerate(ks)])
+        assert r.wait(30)
+        done = {c.req_id: c for c in r.poll() if c.kind != "store_copied"}
+        assert done["S"].ok == [True] * 3 and not any(lay.exists(k) for k in ks)
+        copies = len(CountingCopier.batches)
+        lay.write_block(ks[2], payload(ks[2], BLOCK))  # another instance wrote this one
+        stored = r.stats.stores_existing
+        r.store(("flush", 1), [(ks[0], None, 0, base, FLUSH),
+                               (ks[1], None, 0, base, FLUSH),  # slot 0 holds ks[0]
+                               (ks[2], None, 0, base + 2, FLUSH)])
+        done = finish(r)
+        assert done[("flush", 1)].ok == [True, False, True]
+        assert len(CountingCopier.batches) == copies  # no device copy for a flush
+        assert lay.read_block(ks[0]) == payload(ks[0], BLOCK)
+        assert lay.check_block(r.pool.views[base], lay.ns.file_bytes, ks[0], True) == BLOCK
+        assert not lay.exists(ks[1])
+        assert r.stats.stores_flushed == 1 and r.stats.flushes_invalid == 1
+        assert r.stats.stores_existing == stored + 1
+        # the flushed file serves a load like any other
+        dest = sentinel_buf(BLOCK)
+        r.load("L", [(ks[0], dest, BLOCK)])
+        assert finish(r)["L"].ok == [True] and bytes(dest) == payload(ks[0], BLOCK)
+    finally:
+        r.close()

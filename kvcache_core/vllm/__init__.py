@@ -1,4 +1,4 @@
-"""py-kvcache for vLLM 0.26.0 (the KV Offload API).
+"""py-kvcache for vLLM 0.26.x and 0.32.x (the KV Offload API).
 
 Enable it with::
 
@@ -16,6 +16,11 @@ itself imports vLLM only when one of these names is used):
   ``kv_connector_module_path``): config validation before start, recompute of chunks
   that fail to load, worker counters and failed keys sent to the scheduler.
 * :class:`PyKVCacheManager`, :class:`PyKVCacheWorker`, :class:`PyKVCacheWorkerMetadata`.
+
+Every name is resolved after :func:`kvcache_core.vllm.compat.require`: on a vLLM other
+than 0.26.x or 0.32.x, vLLM's loading of our spec or connector fails with
+:class:`~kvcache_core.vllm.compat.UnsupportedVLLMError` naming the supported releases
+(their differences live in :mod:`kvcache_core.vllm.compat`).
 
 See ``docs/vllm.md``.
 """
@@ -47,6 +52,7 @@ def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    importlib.import_module(".compat", __name__).require()
     value = getattr(importlib.import_module(mod, __name__), name)
     globals()[name] = value
     return value

@@ -8,7 +8,7 @@ what a storage tier needs that the Offload API lacks:
   :class:`~kvcache_core.config.ConfigError` naming the key instead of an assert), and the
   model dtype injected into the extra config (private key) so that the scheduler and the
   workers compute the same namespace;
-* load failures: vLLM 0.26 asserts ``TransferResult.success``, so failed chunks are
+* load failures: vLLM (0.26 and 0.32) asserts ``TransferResult.success``, so failed chunks are
   reported through :meth:`get_block_ids_with_load_errors` (vLLM then recomputes them,
   with ``kv_load_failure_policy`` set from our ``load_failure_policy``, default
   ``recompute``) and their keys go to the scheduler's manager in
@@ -44,6 +44,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from ..config import ConfigError
+from . import compat
 from .options import (
     MODEL_DTYPE_KEY,
     MODEL_IDENTITY_KEY,
@@ -237,6 +238,7 @@ class OffloadingConnector(_VllmOffloadingConnector):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
+        compat.require()  # vLLM 0.26.x or 0.32.x, else UnsupportedVLLMError
         prepare_vllm_config(vllm_config, kv_cache_config)
         opts = parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         #: read by the patched scheduler (k of on_preload_candidates); 0 disables
@@ -387,20 +389,31 @@ class OffloadingConnector(_VllmOffloadingConnector):
         if self._preload_plan:
             meta.pykv_preload = self._preload_plan
             self._preload_plan = []
+        # deferred write-backs: every step's metadata reaches the workers' start_load_kv
+        # (with or without a forward), so the slots pinned for them are always released
+        manager = getattr(self.connector_scheduler, "manager", None)
+        flush = manager.take_flush_plan() if hasattr(manager, "take_flush_plan") else None
+        if flush:
+            meta.pykv_flush = flush
         return meta
 
     def start_preloads(self) -> None:
-        """Worker role: start this step's planned preloads (once per metadata)."""
+        """Worker role: start this step's planned preloads and deferred write-backs
+        (once per metadata)."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         keys = getattr(meta, "pykv_preload", None)
-        if not keys or getattr(meta, "_pykv_preload_started", False):
+        flush = getattr(meta, "pykv_flush", None)
+        if not (keys or flush) or getattr(meta, "_pykv_preload_started", False):
             return
         meta._pykv_preload_started = True
         w = self._our_worker()
         if w is not None:
-            w.submit_preloads(keys)
+            if flush:
+                w.submit_flush(flush)
+            if keys:
+                w.submit_preloads(keys)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.start_preloads()

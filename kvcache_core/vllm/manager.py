@@ -31,7 +31,10 @@ Stores may hold at most ``writeback_max_fraction`` of the tier that way (storing
 pinned): beyond it a new store still fills a DRAM-tier slot but writes no file
 (``dram_only``, counted), so a disk that falls behind (e.g. busy with reads) costs new
 blocks their file, never the promotions of disk hits that other requests wait for: the
-slot is not pinned and can be reclaimed like any cached block.
+slot is not pinned and can be reclaimed like any cached block. With ``writeback_flush``
+such blocks get their files later, oldest first, whenever the write-back has room again
+(:meth:`take_flush_plan`, sent to the workers with a step's metadata); one evicted first
+is lost to the cache (``dram_only_evicted``).
 
 Replacement: a block read from disk into the tier (promotion) counts as a reuse (with
 ``eviction_policy=arc`` it enters the frequency list), a block that was only stored does
@@ -70,6 +73,7 @@ from ..breakeven import GATE_TIERS
 from ..flags import IN_SLOT
 from ..layout import LayoutIndex, Namespace
 from ..staging import SlotAllocator
+from . import compat
 from .specs import PyKVLoadSpec, PyKVStoreSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -97,7 +101,13 @@ MANAGER_COUNTERS: dict[str, str] = {
     "busy or pinned by a pending disk write (write-back back-pressure).",
     "stores_writeback_full": "Chunks kept in the DRAM tier without a file because "
     "writeback_max_fraction of the tier already waits for disk writes (the disk is "
-    "behind): dropped from the disk tier, never waited for.",
+    "behind): their files are written later from the DRAM tier (stores_flushed) when the "
+    "write-back has room again, unless they are evicted first (dram_only_evicted). Never "
+    "waited for.",
+    "flushes_planned": "Chunks kept in the DRAM tier without a file that the scheduler "
+    "sent to the workers for a deferred write-back (the write-back had room again).",
+    "dram_only_evicted": "Chunks evicted from the DRAM tier while no file of them existed "
+    "(write-back was full until then): a later request recomputes them.",
     "stores_skipped": "Chunks not stored because they are already cached or in flight.",
     "stores_skipped_gate": "Chunks not stored because the break-even table says disk loads "
     "never pay off on this node and the DRAM tier had no slot (disk writes off).",
@@ -190,6 +200,10 @@ WORKER_COUNTERS: dict[str, str] = {
     "block in flight (concurrent requests: one disk read, one device copy each).",
     "preloads_deduped": "Worker: preloads skipped (block already staged, cached or read).",
     "preloads_requeued": "Worker: preloads closed and re-queued for foreground work.",
+    "stores_flushed": "Worker: deferred write-backs started from a DRAM-tier slot "
+    "(flushes_planned that found the block there and no file yet).",
+    "flushes_invalid": "Worker: deferred write-backs refused because the DRAM-tier slot "
+    "no longer held the block (nothing written).",
     "reactor_dead": "Worker: I/O reactor threads that died (the engine then runs "
     "recompute-only: every lookup misses, nothing is stored; see the 'healthy' gauge).",
 }
@@ -257,14 +271,15 @@ class _StatsExporter:
 class PyKVCacheManager(OffloadingManager):
     """The DRAM-tier index and disk lookups (scheduler thread only; see module doc)."""
 
-    #: KV-event medium. Stored blocks are announced once (write-through: the disk copy
-    #: outlives any DRAM eviction, so DRAM evictions are not removals); a block found
-    #: corrupt or missing at load time is announced as removed.
-    medium = "PYKVCACHE"
+    #: KV-event medium (``"PYKVCACHE"`` on vLLM 0.26, ``Medium.STORAGE`` on 0.32: see
+    #: :data:`~kvcache_core.vllm.compat.EVENT_MEDIUM`). Stored blocks are announced once
+    #: (write-through: the disk copy outlives any DRAM eviction, so DRAM evictions are not
+    #: removals); a block found corrupt or missing at load time is announced as removed.
+    medium = compat.EVENT_MEDIUM
 
     def __init__(self, root_dir: str, namespaces: Sequence[Namespace], n_dram: int,
                  eviction_policy: str = "lru", enable_events: bool = False,
-                 writeback_max_fraction: float = 0.5) -> None:
+                 writeback_max_fraction: float = 0.5, writeback_flush: bool = False) -> None:
         self.disk = [LayoutIndex(root_dir, ns) for ns in namespaces]
         self.n_dram = n_dram
         self._policy = eviction_policy
@@ -301,6 +316,14 @@ class PyKVCacheManager(OffloadingManager):
         self.short_requests: set[str] = set()
         # keys being stored without a file (short request): nothing will be written
         self._dram_only: set[OffloadKey] = set()
+        # keys being stored without a file because the write-back was full ("behind"),
+        # and such keys now CACHED in the DRAM tier, oldest first ("dirty"): their files
+        # are written from there later (take_flush_plan), unless they are evicted first
+        self._behind: set[OffloadKey] = set()
+        self._dirty: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
+        #: ``writeback_flush``: write such blocks later (take_flush_plan); off: they stay
+        #: DRAM-only until evicted
+        self._flush_on = writeback_flush
         self._events_on = enable_events
         self._exporter: _StatsExporter | None = None
         self._observations: dict[str, list[float]] = {}
@@ -334,6 +357,9 @@ class PyKVCacheManager(OffloadingManager):
         if old is not None:
             self._slot_key[slot] = None
             self.counters["dram_evictions"] += 1
+            if self._dirty and old in self._dirty:  # no file of it: lost to the cache
+                del self._dirty[old]
+                self.counters["dram_only_evicted"] += 1
             if evicted is not None:
                 evicted.append(old)
         return slot
@@ -350,6 +376,7 @@ class PyKVCacheManager(OffloadingManager):
         slot = self.dram.lookup(key)
         if slot >= 0 and self.dram.drop(key):
             self._slot_key[slot] = None
+            self._dirty.pop(key, None)
 
     # ------------------------------------------------------------------ preload (R8)
     def begin_lookup(self) -> None:
@@ -385,12 +412,14 @@ class PyKVCacheManager(OffloadingManager):
         return False
 
     def _plan_prefix(self, hashes: Sequence[Any], g: Any, out: list[OffloadKey],
-                     max_blocks: int) -> None:
+                     max_blocks: int, max_chunks: int | None = None) -> None:
         """Append the disk-resident chunk keys of one request's KV group (prefix order,
-        stopping at the first chunk not on disk) that were not planned recently."""
+        stopping at the first chunk not on disk, and after ``max_chunks`` chunks) that
+        were not planned recently."""
         planned = self._planned
         hpc = g.hashes_per_chunk
-        for h in itertools.islice(hashes, hpc - 1, None, hpc):
+        stop = None if max_chunks is None else max_chunks * hpc
+        for h in itertools.islice(hashes, hpc - 1, stop, hpc):
             key = make_offload_key(h, g.group_idx)
             if key in planned:
                 planned.move_to_end(key)
@@ -416,14 +445,19 @@ class PyKVCacheManager(OffloadingManager):
         the worker's reactor still runs ONE speculative read at a time, below foreground
         work. ``admit(request, n_new_keys)`` (queue-aware preload) is asked once per
         request, in order, with the number of keys planned for it; False drops them.
-        Scheduler thread only.
+        vLLM 0.32's per-request limits hold here too: nothing is planned for a request
+        whose ``kv_load_tiers`` exclude the disk tier, and no chunk past its
+        ``max_load_tokens`` (counted from the prompt's start; see
+        :mod:`~kvcache_core.vllm.compat`). Scheduler thread only.
         """
         out: list[OffloadKey] = []
         planned = self._planned
         for req in requests:
             start = len(out)
-            for g in group_configs:
-                self._plan_prefix(req.block_hashes, g, out, max_blocks)
+            cap = compat.max_load_tokens(req)
+            for g in group_configs if compat.request_disk_allowed(req) else ():
+                self._plan_prefix(req.block_hashes, g, out, max_blocks,
+                                  None if cap is None else cap // g.tokens_per_chunk)
                 if len(out) >= max_blocks:
                     break
             if admit is not None and not admit(req, len(out) - start):
@@ -464,6 +498,9 @@ class PyKVCacheManager(OffloadingManager):
             # for that read (vLLM retries the lookup next step) instead of a second one
             self.counters["hits_pending"] += 1
             return LookupResult.HIT_PENDING
+        if not compat.disk_allowed(req_context):  # the request's tier filter (vLLM 0.32)
+            self.counters["misses"] += 1
+            return LookupResult.MISS
         if self._on_disk(key):
             if self._staged and self._live(self._staged, key):
                 self.counters["hits_staged"] += 1
@@ -476,6 +513,16 @@ class PyKVCacheManager(OffloadingManager):
             return LookupResult.HIT
         self.counters["misses"] += 1
         return LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        """vLLM 0.32 (per-source cache-hit metrics, asked after the load was prepared):
+        ``CacheHitSource.HOST`` for a chunk served by the DRAM tier, ``DISK`` for one
+        read from disk (or from a preload's staging slot). Never called by 0.26."""
+        rec = self._loading.get((req_context.req_id, key))
+        if rec is not None:
+            return compat.hit_source("dram" if rec[1] == "pin" else "disk")
+        dram = self.dram is not None and self.dram.lookup(key) >= 0
+        return compat.hit_source("dram" if dram else "disk")
 
     def prepare_load(self, keys: Collection[OffloadKey],
                      req_context: ReqContext) -> PyKVLoadSpec:
@@ -587,6 +634,7 @@ class PyKVCacheManager(OffloadingManager):
                 if len(self._wb_storing) + len(self._wb_pinned) >= self._wb_cap:
                     behind = True  # the disk is behind: this block stays in DRAM only
                     self._dram_only.add(key)
+                    self._behind.add(key)
                     self.counters["stores_writeback_full"] += 1
                 else:
                     self._wb_storing.add(key)
@@ -634,10 +682,16 @@ class PyKVCacheManager(OffloadingManager):
             if self._dram_only:
                 disk = disk and key not in self._dram_only
                 self._dram_only.discard(key)
+            behind = False
+            if self._behind and key in self._behind:
+                self._behind.discard(key)
+                behind = True
             if slot >= 0:
                 assert self.dram is not None
                 if success:
                     self._retain(slot, key)
+                    if behind and self.dram.lookup(key) == slot:
+                        self._dirty[key] = None  # a file still to write, when there is room
                     # still being written to disk from this slot: keep it pinned
                     if (disk and written < self.n_ranks
                             and self.dram.lookup(key) == slot):
@@ -663,6 +717,8 @@ class PyKVCacheManager(OffloadingManager):
         self._slot_key = [None] * self.n_dram
         self._storing.clear()
         self._dram_only.clear()
+        self._behind.clear()
+        self._dirty.clear()
         self._wb_done.clear()
         self._wb_pinned.clear()
         self._wb_storing.clear()
@@ -723,6 +779,32 @@ class PyKVCacheManager(OffloadingManager):
         for name, v in counters.items():
             self.counters[name] += v
         self._maybe_export()
+
+    def take_flush_plan(self) -> list[tuple[bytes, int]]:
+        """Deferred write-back (scheduler thread, once per step, from the connector's
+        ``build_connector_meta``): DRAM-tier blocks kept without a file while the write-back
+        was full, oldest first (the next LRU victims), as many as the write-back has room
+        for now (``writeback_max_fraction``). Each returned (key, slot) is pinned here like
+        any write-back until every worker reports the key written (:meth:`_on_written`);
+        the workers write the files from the slots (``PyKVCacheWorker.submit_flush``)."""
+        dram = self.dram
+        if not self._dirty or dram is None or not self._flush_on:
+            return []
+        if not (self.disk_stores and self.healthy):
+            return []
+        plan: list[tuple[bytes, int]] = []
+        room = self._wb_cap - len(self._wb_storing) - len(self._wb_pinned)
+        while self._dirty and room > 0:
+            key, _ = self._dirty.popitem(last=False)
+            slot = dram.lookup(key)
+            if slot < 0 or self._on_disk(key):
+                continue  # gone, or written meanwhile (another instance)
+            dram.pin(key, touch=False)
+            self._wb_pinned[key] = slot
+            plan.append((bytes(key), slot))
+            room -= 1
+        self.counters["flushes_planned"] += len(plan)
+        return plan
 
     def _on_written(self, written: Mapping[bytes, int]) -> None:
         """Count the ranks that finished writing each key; unpin its DRAM slot once all

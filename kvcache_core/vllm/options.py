@@ -331,12 +331,18 @@ def namespace_dtype(model_dtype: str | None, cache_dtype: str) -> str:
 
 def kv_layout_string(*, tokens_per_block: Sequence[int], blocks_per_chunk: int,
                      worker_kv_bytes_per_block: int, tokens_per_hash: int, tp_size: int,
-                     pp_size: int, pcp_size: int, dcp_size: int, device: str | None) -> str:
-    """Config-level description of how a chunk's bytes are arranged (namespace field)."""
+                     pp_size: int, pcp_size: int, dcp_size: int, device: str | None,
+                     kv_cache_layout: str | None = None) -> str:
+    """Config-level description of how a chunk's bytes are arranged (namespace field).
+
+    ``kv_cache_layout``: vLLM's KV-cache layout name where the release reports it
+    (:func:`kvcache_core.vllm.compat.kv_cache_layout`; None adds nothing, so 0.26
+    namespaces are unchanged)."""
     tpb = "/".join(str(t) for t in tokens_per_block)
+    kvl = f";kvl={kv_cache_layout}" if kv_cache_layout else ""
     return (f"tpb={tpb};bpc={blocks_per_chunk};wkb={worker_kv_bytes_per_block};"
             f"tph={tokens_per_hash};tp={tp_size};pp={pp_size};pcp={pcp_size};"
-            f"dcp={dcp_size};dev={device or '?'}")
+            f"dcp={dcp_size};dev={device or '?'}{kvl}")
 
 
 def make_namespace(*, model: str, dtype: str, tokens_per_chunk: int, block_bytes: int,

@@ -20,6 +20,12 @@ Configurations of other connectors are never touched, and nothing here raises in
 except the :class:`~kvcache_core.config.ConfigError` of a py-kvcache config. Once per
 process, a valid config with ``preload_lookahead`` > 0 on a vLLM without py-kvcache's
 patches logs one warning saying that preload is inactive and how to patch.
+
+Supported vLLM releases: 0.26.x and 0.32.x (:mod:`kvcache_core.vllm.compat`). On any
+other vLLM the plugin still registers (it must not break vLLM for other connectors) and
+logs one warning per process; a py-kvcache config is then refused when it is parsed
+(:class:`~kvcache_core.vllm.compat.UnsupportedVLLMError`, a ``ConfigError``, naming the
+supported releases), as vLLM's construction of our connector would refuse it.
 """
 
 from __future__ import annotations
@@ -47,6 +53,25 @@ def register() -> None:
         _install_hooks()
     except Exception as e:  # never break vLLM for a configuration that is not ours
         log.debug("py-kvcache plugin: hooks not installed: %r", e)
+    try:
+        _warn_if_unsupported()
+    except Exception as e:  # pragma: no cover - the version check itself failed
+        log.debug("py-kvcache plugin: vLLM version not checked: %r", e)
+
+
+_unsupported_warned = False
+
+
+def _warn_if_unsupported() -> None:
+    """One warning per process when this vLLM is not a supported release."""
+    global _unsupported_warned
+    from . import compat
+
+    if compat.VLLM_LINE is None and not _unsupported_warned:
+        _unsupported_warned = True
+        log.warning("py-kvcache is installed but does not support vLLM %s (supported: %s): "
+                    "its connector will refuse to start", compat.VLLM_VERSION,
+                    compat.supported_text())
 
 
 def _install_hooks() -> None:
@@ -98,15 +123,19 @@ def is_ours(kv_transfer_config: Any) -> bool:
 def validate_kv_transfer_config(kv_transfer_config: Any) -> None:
     """Validate the extra config of a py-kvcache ``KVTransferConfig`` (others: no-op).
 
-    Raises :class:`~kvcache_core.config.ConfigError` naming the key. Inside
+    Raises :class:`~kvcache_core.config.ConfigError` naming the key, or
+    :class:`~kvcache_core.vllm.compat.UnsupportedVLLMError` (a ``ConfigError``) naming
+    the supported vLLM releases when this vLLM is none of them. Inside
     ``KVTransferConfig``'s validation pydantic reports it as ``Value error, <our
     message>``; vLLM's argument parser prints that as the error of
     ``--kv-transfer-config``.
     """
     if kv_transfer_config is None or not is_ours(kv_transfer_config):
         return
+    from . import compat
     from .options import parse_extra_config
 
+    compat.require()  # UnsupportedVLLMError (a ConfigError) on other vLLM releases
     opts = parse_extra_config(getattr(kv_transfer_config, "kv_connector_extra_config", None))
     if opts.preload_lookahead > 0:
         warn_if_unpatched()

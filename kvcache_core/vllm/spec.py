@@ -26,6 +26,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ..config import ConfigError
 from ..layout import integrity_key_id, load_integrity_key
+from . import compat
 from .manager import (
     GATE_COUNTERS,
     JOB_HISTOGRAMS,
@@ -82,6 +83,7 @@ class PyKVCacheSpec(OffloadingSpec):
         return defs
 
     def __init__(self, config: OffloadingConfig) -> None:
+        compat.require()
         super().__init__(config)
         self.options = parse_extra_config(config.extra_config)
         self.storage = self.options.storage
@@ -102,13 +104,15 @@ class PyKVCacheSpec(OffloadingSpec):
         if wkb <= 0:
             raise RuntimeError("py-kvcache: vLLM reports 0 KV bytes per block (no KV cache)")
         par = config.parallel
-        dtype = namespace_dtype(self.options.model_dtype, config.model.dtype)
+        dtype = namespace_dtype(self.options.model_dtype,
+                                compat.offload_cache_dtype(config, self.options.model_dtype))
         self.tokens_per_chunk = (tpb[0] if tpb else 1) * self.blocks_per_chunk
         layout = kv_layout_string(
             tokens_per_block=tpb, blocks_per_chunk=self.blocks_per_chunk,
             worker_kv_bytes_per_block=wkb, tokens_per_hash=self.tokens_per_hash,
             tp_size=par.tp_size, pp_size=par.pp_size, pcp_size=par.pcp_size,
-            dcp_size=par.dcp_size, device=_device_type())
+            dcp_size=par.dcp_size, device=_device_type(),
+            kv_cache_layout=compat.kv_cache_layout(config))
         model = self.options.model_id or config.model.name
         if self.options.model_identity:  # revision, quantization, config, weights (issue 12)
             model = f"{model}@{self.options.model_identity}"
@@ -150,6 +154,7 @@ class PyKVCacheSpec(OffloadingSpec):
                 self.storage.root_dir, self.namespaces, self.pool.n_dram,
                 eviction_policy=self.storage.eviction_policy,
                 writeback_max_fraction=self.storage.writeback_max_fraction,
+                writeback_flush=self.storage.writeback_flush,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
 

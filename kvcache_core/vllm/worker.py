@@ -61,7 +61,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ..config import StorageConfig
-from ..flags import IN_SLOT, NO_DISK
+from ..flags import FLUSH, IN_SLOT, NO_DISK
 from ..layout import Layout, Namespace
 from ..reactor import Completion, Reactor
 from ..staging import Priority
@@ -151,7 +151,8 @@ class PyKVCacheWorker(OffloadingWorker):
         self._staged_keys: list[bytes] = []
         #: store job id -> keys it copied into DRAM-tier slots and writes to disk from
         #: there, until the job's files are all written (or dropped)
-        self._writeback: dict[int, list[bytes]] = {}
+        #: (and ("flush", n) -> keys of a :meth:`submit_flush`)
+        self._writeback: dict[Any, list[bytes]] = {}
         #: keys whose write-back from a DRAM-tier slot ended since :meth:`take_written`
         self._written_keys: list[bytes] = []
         # Diagnostics (model-runner thread only): seconds this thread spent inside our
@@ -248,6 +249,21 @@ class PyKVCacheWorker(OffloadingWorker):
         rid = ("preload", self._preload_seq)
         self._preloads[rid] = keys
         self.reactor.load(rid, [(k, None, 0) for k in keys], Priority.SPECULATIVE)
+
+    def submit_flush(self, items: list[tuple[bytes, int]]) -> None:
+        """Write files for DRAM-tier blocks that were stored without one (model-runner
+        thread): ``items`` = [(key, DRAM-tier slot)], planned by the scheduler when its
+        write-back had room again. The scheduler keeps each slot pinned until this worker
+        reports the key in :meth:`take_written` (whatever the outcome), so the bytes do not
+        change while the file is written from them. Not a vLLM job: no completion reaches
+        :meth:`get_finished`."""
+        if not items:
+            return
+        self._preload_seq += 1
+        rid = ("flush", self._preload_seq)
+        self._writeback[rid] = [k for k, _ in items]
+        self.reactor.store(rid, [(k, None, 0, self.n_staging + slot, FLUSH)
+                                 for k, slot in items])
 
     # ------------------------------------------------------------------ completions
     def _drain(self) -> None:
@@ -368,6 +384,8 @@ class PyKVCacheWorker(OffloadingWorker):
                 self._written_keys.extend(wb)
             self._results.append(TransferResult(job_id, True, job.gpu_bytes,
                                                 time.perf_counter() - job.t0))
+        for rid in [r for r in self._writeback if isinstance(r, tuple)]:  # flushes
+            self._written_keys.extend(self._writeback.pop(rid))
         self._preloads.clear()
 
     def _moved(self, gen: int) -> bool:
@@ -394,6 +412,7 @@ class PyKVCacheWorker(OffloadingWorker):
                     preloads_staged=s.preload_staged, preloads_claimed=s.preload_claimed,
                     preloads_joined=s.preload_joined, preloads_deduped=s.preload_deduped,
                     loads_joined=s.loads_joined, preloads_wasted=s.preload_wasted,
+                    stores_flushed=s.stores_flushed, flushes_invalid=s.flushes_invalid,
                     preloads_requeued=s.spec_requeued,
                     # a gauge sent as deltas (the scheduler sums them: total over ranks)
                     disk_bytes=self.layout.ledger.last)

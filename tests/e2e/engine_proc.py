@@ -2,12 +2,17 @@
 
     python -m tests.e2e.engine_proc '<plan JSON>'
 
-plan: ``model_dir``, ``extra`` (kv_connector_extra_config or null), ``tp``, ``out`` (JSON
-result path) and ``steps``: ``{"op": "generate", "prompt": "A", "tag": "a1"}``,
+plan: ``model_dir``, ``extra`` (kv_connector_extra_config or null), ``tp``, ``llm_kwargs``
+(more ``LLM(...)`` arguments, optional), ``out`` (JSON result path) and ``steps``:
+``{"op": "generate", "prompt": "A", "tag": "a1"}``, ``{"op": "generate_many", "prompts":
+["A", "B"], "priority": [0, 1] (optional), "tag": T}`` (submitted at once),
 ``{"op": "drain"}``, ``{"op": "signal", "path": P}`` (create a file),
-``{"op": "wait_for", "path": P}``, ``{"op": "stats", "tag": T}``. With
-``"expect_error": [extra, ...]`` it instead builds one engine per extra config, expecting
-each to fail, and records the error messages.
+``{"op": "wait_for", "path": P}``, ``{"op": "stats", "tag": T}``, ``{"op":
+"record_preloads"}`` (from then on, each call of the connector's preload hook is recorded
+in ``preload_calls`` as a list of [request id, priority]) and ``{"op": "env"}`` (``env``:
+the vLLM and torch versions, py-kvcache's release line for it, whether vLLM is patched).
+With ``"expect_error": [extra, ...]`` it instead builds one engine per extra config,
+expecting each to fail, and records the error messages.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ def main() -> int:
             json.dump(res, f)
         return 0
     t0 = time.perf_counter()
-    llm = H.make_llm(plan["model_dir"], plan.get("extra"), tp=plan.get("tp", 1))
+    llm = H.make_llm(plan["model_dir"], plan.get("extra"), tp=plan.get("tp", 1),
+                     **plan.get("llm_kwargs", {}))
     res["start_s"] = round(time.perf_counter() - t0, 2)
     try:
         for step in plan["steps"]:
@@ -56,6 +62,13 @@ def main() -> int:
                 r = H.generate(llm, H.PROMPTS[step["prompt"]])
                 r["s"] = round(time.perf_counter() - t, 3)
                 res["results"][step["tag"]] = r
+            elif op == "generate_many":
+                res["results"][step["tag"]] = H.generate_many(
+                    llm, [H.PROMPTS[n] for n in step["prompts"]], step.get("priority"))
+            elif op == "record_preloads":
+                _record_preloads(llm, res.setdefault("preload_calls", []))
+            elif op == "env":
+                res["env"] = _env()
             elif op == "drain":
                 H.drain(llm)
             elif op == "signal":
@@ -85,6 +98,30 @@ def main() -> int:
         with open(plan["out"], "w") as f:
             json.dump(res, f)
     return 0
+
+
+def _record_preloads(llm, calls: list) -> None:
+    """Record every call of the scheduler connector's ``on_preload_candidates`` (called by
+    the patched scheduler) as ``[[request id, priority], ...]``, then run it."""
+    conn = H.scheduler_connector(llm)
+    orig = conn.on_preload_candidates
+
+    def record(requests):
+        calls.append([[r.request_id, r.priority] for r in requests])
+        orig(requests)
+
+    conn.on_preload_candidates = record
+
+
+def _env() -> dict:
+    import torch
+    import vllm
+
+    from kvcache_core.patching import is_patched
+    from kvcache_core.vllm import compat
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "line": compat.require(),
+            "patched": is_patched(), "python": sys.executable}
 
 
 if __name__ == "__main__":

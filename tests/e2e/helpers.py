@@ -1,4 +1,5 @@
-"""Shared helpers of the end-to-end tests (real vLLM 0.26 on the CPU platform).
+"""Shared helpers of the end-to-end tests (real vLLM on the CPU platform: 0.26 in this
+interpreter; 0.32 in ``.venv-0.32``'s, through :func:`run_proc` with ``python=``).
 
 Importable without vLLM; vLLM is imported inside the functions that need it, after the
 environment of :data:`ENV` is in place (conftest sets it for the pytest process, and
@@ -147,6 +148,25 @@ def generate(llm, prompt: list[int]) -> dict[str, Any]:
             "num_cached_tokens": o.num_cached_tokens}
 
 
+def generate_many(llm, prompts: list[list[int]],
+                  priority: list[int] | None = None) -> list[dict[str, Any]]:
+    """All ``prompts`` submitted at once (greedy, :data:`MAX_TOKENS` each); outputs in
+    prompt order (tokens, logprobs, num_cached_tokens)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
+                        priority=priority)
+    res = []
+    for o in outs:
+        out = o.outputs[0]
+        res.append({"tokens": list(out.token_ids),
+                    "logprobs": [float(d[t].logprob) for t, d in
+                                 zip(out.token_ids, out.logprobs, strict=True)],
+                    "num_cached_tokens": o.num_cached_tokens})
+    return res
+
+
 def scheduler_connector(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
 
@@ -221,8 +241,9 @@ def same_output(a: dict[str, Any], b: dict[str, Any], tol: float = LOGPROB_TOL) 
 
 
 def run_proc(plan: dict[str, Any], timeout: float = 240, env: dict[str, str] | None = None,
-             wait: bool = True):
-    """Run :mod:`tests.e2e.engine_proc` with ``plan`` in a fresh process.
+             wait: bool = True, python: str | None = None):
+    """Run :mod:`tests.e2e.engine_proc` with ``plan`` in a fresh process of ``python``
+    (default: this interpreter; ``.venv-0.32/bin/python`` runs it on vLLM 0.32).
 
     Returns the parsed JSON result (``wait``) or the Popen object and its output path.
     """
@@ -240,8 +261,8 @@ def run_proc(plan: dict[str, Any], timeout: float = 240, env: dict[str, str] | N
         e.update(env)
     log = out + ".log"
     with open(log, "w") as lf:
-        p = subprocess.Popen([PY, "-m", "tests.e2e.engine_proc", json.dumps(plan)], cwd=REPO,
-                             env=e, stdout=lf, stderr=subprocess.STDOUT)
+        p = subprocess.Popen([python or PY, "-m", "tests.e2e.engine_proc", json.dumps(plan)],
+                             cwd=REPO, env=e, stdout=lf, stderr=subprocess.STDOUT)
     if not wait:
         return p, out
     return finish_proc(p, out, timeout)

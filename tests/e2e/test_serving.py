@@ -382,6 +382,43 @@ def test_short_prompts_stay_in_dram_without_files(reference, model_dir, workdir)
     assert len(files_a) == 3 and s2["dram_writeback_pinned"] == 0
 
 
+def test_blocks_kept_in_dram_under_writeback_pressure_get_their_files_later(
+        reference, model_dir, workdir):
+    """writeback_max_fraction=0.125 of 8 DRAM-tier slots: one file write may be pending,
+    so A's other chunks are kept in DRAM without a file (stores_writeback_full). With
+    writeback_flush, later engine steps (any traffic) write them from the DRAM tier as
+    the write-back frees up: all three files appear, nothing is lost to an eviction,
+    and a fresh engine without a DRAM tier serves A from those files with the reference
+    output."""
+    root = os.path.join(workdir, "root_flush")
+    ex = H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES, writeback_max_fraction=0.125,
+                        writeback_flush=True)
+    llm = H.make_llm(model_dir, ex)
+    try:
+        first = H.generate(llm, A)
+        H.drain(llm)
+        for i in range(30):  # other traffic: steps that carry the flush plans
+            if len(H.cache_files(root)) == 3:
+                break
+            H.generate(llm, [7 + i] * 16)  # shorter than a chunk: stores nothing
+            H.drain(llm)
+        s = H.manager(llm).stats()
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(first, reference["A"])
+    assert s["stores_writeback_full"] >= 1 and s["flushes_planned"] >= 1, s
+    assert s["stores_flushed"] == s["flushes_planned"], s
+    assert s.get("dram_only_evicted", 0) == 0 and s["dram_writeback_pinned"] == 0, s
+    assert len(H.cache_files(root)) == 3
+    llm = H.make_llm(model_dir, H.extra_config(root))
+    try:
+        again = H.generate(llm, A)
+    finally:
+        H.shutdown(llm)
+    assert again["num_cached_tokens"] == 3 * H.CHUNK
+    assert H.same_output(again, reference["A"])
+
+
 def test_config_errors_name_the_key(model_dir, workdir):
     root = os.path.join(workdir, "root_cfg")
     r = H.run_proc({"model_dir": model_dir, "expect_error": [

@@ -509,6 +509,68 @@ def test_manager_writeback_cap_keeps_slots_for_promotions(tmp_path, vllm_availab
     m.dram.check()
 
 
+def test_manager_flushes_dram_only_blocks_when_the_writeback_has_room(tmp_path,
+                                                                      vllm_available):
+    """writeback_flush: blocks kept in the DRAM tier without a file (write-back full) are
+    not lost to the disk tier: once the write-back has room, take_flush_plan hands the
+    oldest of them to the workers (pinned like any write-back until every rank reports
+    them written), as many as the room allows. One evicted before that is counted
+    (dram_only_evicted) and never planned; one already on disk (another instance) is
+    skipped; with disk writes off (break-even gate) nothing is planned; with
+    writeback_flush off (the default) nothing ever is."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    off = PyKVCacheManager(str(tmp_path / "off"), [ns], n_dram=4, writeback_max_fraction=0.5)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=4, writeback_max_fraction=0.5,
+                         writeback_flush=True)
+    w = ReqContext("w")
+    ks = [key(i) for i in range(1, 5)]
+    off.prepare_store(ks, w)
+    off.complete_store(ks, w)
+    off.on_worker_report(set(), {}, None, {ks[0]: 1, ks[1]: 1})
+    assert off.take_flush_plan() == []  # writeback_flush off (the default): never
+    spec = m.prepare_store(ks, w).store_spec
+    assert spec.dram_only == [False, False, True, True]
+    m.complete_store(ks, w)
+    assert m.take_flush_plan() == []  # write-back still full (ks[0], ks[1] pinned)
+    m.on_worker_report(set(), {}, None, {ks[0]: 1, ks[1]: 1})
+    plan = m.take_flush_plan()
+    assert plan == [(bytes(ks[2]), m.dram.lookup(ks[2])), (bytes(ks[3]), m.dram.lookup(ks[3]))]
+    assert m.stats()["dram_writeback_pinned"] == 2 and m.stats()["flushes_planned"] == 2
+    assert m.take_flush_plan() == []  # planned once
+    m.on_worker_report(set(), {}, None, {ks[2]: 1, ks[3]: 1})
+    assert m.stats()["dram_writeback_pinned"] == 0
+    m.dram.check()
+
+    # evicted before its flush: lost to the cache, counted, never planned
+    m = PyKVCacheManager(str(tmp_path / "b"), [ns], n_dram=2, writeback_max_fraction=0.5,
+                         writeback_flush=True)
+    a, b, c = key(10), key(11), key(12)
+    assert m.prepare_store([a, b], w).store_spec.dram_only == [False, True]
+    m.complete_store([a, b], w)  # a pinned (its write pending), b dirty
+    out = m.prepare_store([c], w)  # b is the only reclaimable slot
+    assert out.evicted_keys == [b] and out.store_spec.dram_only == [True]
+    m.complete_store([c], w)
+    assert m.stats()["dram_only_evicted"] == 1
+    Layout(str(tmp_path / "b"), ns).write_block(bytes(c), bytes(ns.block_bytes))
+    m.on_worker_report(set(), {}, None, {a: 1})
+    assert m.take_flush_plan() == []  # c: on disk already (another instance)
+
+    # disk writes off: nothing to flush
+    m = PyKVCacheManager(str(tmp_path / "c"), [ns], n_dram=2, writeback_max_fraction=0.5,
+                         writeback_flush=True)
+    m.prepare_store([a, b], w)
+    m.complete_store([a, b], w)
+    m.on_worker_report(set(), {}, None, {a: 1})
+    m.disk_stores = False
+    assert m.take_flush_plan() == []
+    m.disk_stores = True
+    assert m.take_flush_plan() == [(bytes(b), m.dram.lookup(b))]
+
+
 def test_store_spec_dram_only_validation():
     from kvcache_core.vllm.specs import PyKVStoreSpec
 
