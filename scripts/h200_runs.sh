@@ -35,6 +35,9 @@ B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$RO
    --machine "H200 (GPU machine)" --append --resume --timeout 420)
 for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); done
 if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
+# GATE=path: the break-even table of the *_gate configurations of a step that does not pass
+# one itself (e.g. GATE=docs/results/h200/breakeven-$M.json CONFIGS=kvcache_disk_gate scbench)
+if [ -n "${GATE:-}" ]; then B+=(--gate-table "$GATE"); fi
 SFX=${SUFFIX:-}
 case "$STEP" in
   longdoc)
