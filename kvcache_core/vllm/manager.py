@@ -121,6 +121,8 @@ MANAGER_COUNTERS: dict[str, str] = {
     "load_failures": "Chunk loads that failed (missing/corrupt file or invalid DRAM "
     "slot); vLLM recomputed them.",
     "preloads_planned": "Disk blocks of waiting requests sent to the workers for preload.",
+    "lookups_cached": "Disk lookups answered by the positive lookup cache "
+    "(disk_lookup_cache_s) without touching the filesystem.",
     "hits_staged": "Lookups of disk blocks that every worker reported staged by a preload "
     "(queue-aware preload: gated as DRAM-tier blocks; not counted in hits_disk).",
     "preloads_skipped_queue": "Waiting requests whose short disk prefix was not preloaded "
@@ -208,6 +210,8 @@ WORKER_COUNTERS: dict[str, str] = {
     "recompute-only: every lookup misses, nothing is stored; see the 'healthy' gauge).",
 }
 METRIC_PREFIX = "vllm:pykvcache_"
+#: entries of the positive disk-lookup cache (oldest dropped beyond it)
+LOOKUP_CACHE_MAX = 1 << 16
 #: seconds a block that failed to load stays a miss (then it may be tried again)
 BAD_KEY_TTL_S = 60.0
 #: seconds a worker's "staged" report is believed (the reactor may reclaim an unclaimed
@@ -279,7 +283,8 @@ class PyKVCacheManager(OffloadingManager):
 
     def __init__(self, root_dir: str, namespaces: Sequence[Namespace], n_dram: int,
                  eviction_policy: str = "lru", enable_events: bool = False,
-                 writeback_max_fraction: float = 0.5, writeback_flush: bool = False) -> None:
+                 writeback_max_fraction: float = 0.5, writeback_flush: bool = False,
+                 lookup_cache_s: float = 0.0) -> None:
         self.disk = [LayoutIndex(root_dir, ns) for ns in namespaces]
         self.n_dram = n_dram
         self._policy = eviction_policy
@@ -324,6 +329,11 @@ class PyKVCacheManager(OffloadingManager):
         #: ``writeback_flush``: write such blocks later (take_flush_plan); off: they stay
         #: DRAM-only until evicted
         self._flush_on = writeback_flush
+        #: positive disk-lookup cache (``disk_lookup_cache_s``): key -> until when its files
+        #: are believed to exist, oldest first; None when off
+        self._pos_ttl = lookup_cache_s
+        self._pos: collections.OrderedDict[OffloadKey, float] | None = (
+            collections.OrderedDict() if lookup_cache_s > 0 else None)
         self._events_on = enable_events
         self._exporter: _StatsExporter | None = None
         self._observations: dict[str, list[float]] = {}
@@ -345,7 +355,28 @@ class PyKVCacheManager(OffloadingManager):
 
     # ------------------------------------------------------------------ helpers
     def _on_disk(self, key: OffloadKey) -> bool:
-        return all(d.exists(key) for d in self.disk)
+        """Whether every rank's file of ``key`` exists (one ``access`` per rank), or was
+        found within the last ``disk_lookup_cache_s`` seconds (positive lookup cache, for
+        filesystems where each lookup is a network round trip). A cached answer may be
+        stale (the file evicted by any process since): the load then fails, the block is
+        recomputed and its cache entry dropped (:meth:`on_worker_report`)."""
+        pos = self._pos
+        if pos is None:
+            return all(d.exists(key) for d in self.disk)
+        now = time.monotonic()
+        until = pos.get(key)
+        if until is not None and until > now:
+            self.counters["lookups_cached"] += 1
+            return True
+        if all(d.exists(key) for d in self.disk):
+            pos[key] = now + self._pos_ttl
+            pos.move_to_end(key)
+            if len(pos) > LOOKUP_CACHE_MAX:
+                pos.popitem(last=False)
+            return True
+        if until is not None:
+            del pos[key]
+        return False
 
     def _acquire(self, evicted: list[OffloadKey] | None) -> int:
         """A DRAM slot for a new job (BUSY), reclaiming the policy's victim if needed."""
@@ -712,6 +743,8 @@ class PyKVCacheManager(OffloadingManager):
         """Forget the DRAM tier (vLLM discards the in-flight jobs' completions and makes
         the workers wait for them before new jobs run). Files on disk are shared and
         persistent; they stay (remove them with ``kvcache gc`` or by deleting root_dir)."""
+        if self._pos:
+            self._pos.clear()
         if self.dram is not None:
             self.dram = SlotAllocator(self.n_dram, retain=True, policy=self._policy)
         self._slot_key = [None] * self.n_dram
@@ -766,6 +799,8 @@ class PyKVCacheManager(OffloadingManager):
             # still there (e.g. a device-copy failure): never a load/fail/recompute loop.
             self._bad[key] = now + BAD_KEY_TTL_S
             self._bad.move_to_end(key)
+            if self._pos:
+                self._pos.pop(key, None)
             self._staged.pop(key, None)
             if self._loading_refs.get(key):
                 self._failed.add(key)

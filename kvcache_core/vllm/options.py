@@ -53,7 +53,7 @@ VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk
 #: Keys of the vLLM glue itself (not storage-engine keys).
 GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookahead",
                                "preload_max_blocks", "breakeven_table", "queue_aware_preload",
-                               "disk_min_prefix_tokens")
+                               "disk_min_prefix_tokens", "disk_lookup_cache_s")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY, MODEL_IDENTITY_KEY)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
@@ -88,6 +88,13 @@ GLUE_KEY_HELP: dict[str, str] = {
     "integer >= 0, or 'auto' (default): the break-even table's disk threshold "
     "(min_prefix_tokens of its disk tier) when breakeven_table is set, else 0 (every "
     "request writes its files).",
+    "disk_lookup_cache_s": "Seconds the scheduler believes a disk lookup that found a "
+    "block's files (positive lookup cache, at most 65,536 blocks): later lookups of it "
+    "touch no filesystem meanwhile. For distributed filesystems where each lookup is a "
+    "network round trip (~0.5-0.7 ms per chunk and rank on GlusterFS/FUSE, ~100x local "
+    "ext4). A block evicted meanwhile (by any instance) fails its load and is recomputed, "
+    "never a wrong token. A number >= 0 (0: off), or 'auto' (default): 2 when root_dir is "
+    "on a FUSE filesystem, else 0.",
     "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
     "that is too short (or on a disk too slow) to win when read on demand, if its expected "
     "queueing time (the table's recompute times of the requests ahead) covers the read "
@@ -104,7 +111,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "offload_prompt_only": "true", "self_describing_kv_events": "false",
     "model_id": "model path", "load_failure_policy": "`recompute`", "preload_lookahead": "4",
     "preload_max_blocks": "64", "breakeven_table": "-", "disk_min_prefix_tokens": "`auto`",
-    "queue_aware_preload": "false",
+    "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -128,6 +135,8 @@ class VllmOptions:
     queue_aware_preload: bool = False
     #: int, or "auto" (resolved by the connector from the break-even table)
     disk_min_prefix_tokens: int | str = "auto"
+    #: seconds, or "auto" (resolved by the spec from root_dir's filesystem)
+    disk_lookup_cache_s: float | str = "auto"
     #: :func:`model_identity` digest injected by the connector (None: not known)
     model_identity: str | None = None
 
@@ -197,11 +206,16 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     dm = ex.get("disk_min_prefix_tokens", "auto")
     _need(dm == "auto" or (isinstance(dm, int) and not isinstance(dm, bool) and dm >= 0),
           "disk_min_prefix_tokens", "must be an integer >= 0 or 'auto'", dm)
+    lc = ex.get("disk_lookup_cache_s", "auto")
+    _need(lc == "auto" or (isinstance(lc, (int, float)) and not isinstance(lc, bool)
+                           and 0 <= lc <= 3600),
+          "disk_lookup_cache_s", "must be a number of seconds in 0..3600 or 'auto'", lc)
     return VllmOptions(storage=storage, explicit_block_size="block_size" in d,
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
                        load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
                        preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt,
                        queue_aware_preload=qa, disk_min_prefix_tokens=dm,
+                       disk_lookup_cache_s=lc,
                        model_identity=ex.get(MODEL_IDENTITY_KEY))
 
 

@@ -25,7 +25,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from ..config import ConfigError
-from ..layout import integrity_key_id, load_integrity_key
+from ..layout import integrity_key_id, is_fuse, load_integrity_key
 from . import compat
 from .manager import (
     GATE_COUNTERS,
@@ -48,6 +48,8 @@ from .options import (
 )
 
 log = logging.getLogger("vllm.pykvcache")
+#: ``disk_lookup_cache_s: auto`` on a FUSE root_dir (GlusterFS, 3FS, Weka, JuiceFS, ...)
+AUTO_LOOKUP_CACHE_S = 2.0
 
 
 def _device_type() -> str:
@@ -137,6 +139,11 @@ class PyKVCacheSpec(OffloadingSpec):
             log.warning("py-kvcache: max_disk_bytes=%d gives each of %d ranks less than one "
                         "file (%d B): every store will be dropped", mdb, par.world_size,
                         self.pool.slot_bytes)
+        lc = self.options.disk_lookup_cache_s
+        #: seconds of the scheduler's positive disk-lookup cache (0: off)
+        self.lookup_cache_s = float(
+            (AUTO_LOOKUP_CACHE_S if is_fuse(self.storage.root_dir) else 0.0)
+            if lc == "auto" else lc)
         self._manager: PyKVCacheManager | None = None
         self._worker: OffloadingWorker | None = None
         log.info("py-kvcache: rank %d/%d root %s namespace %s (%s, %s), %d tokens = %d B per "
@@ -155,6 +162,7 @@ class PyKVCacheSpec(OffloadingSpec):
                 eviction_policy=self.storage.eviction_policy,
                 writeback_max_fraction=self.storage.writeback_max_fraction,
                 writeback_flush=self.storage.writeback_flush,
+                lookup_cache_s=self.lookup_cache_s,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
 

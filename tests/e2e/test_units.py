@@ -571,6 +571,51 @@ def test_manager_flushes_dram_only_blocks_when_the_writeback_has_room(tmp_path,
     assert m.take_flush_plan() == [(bytes(b), m.dram.lookup(b))]
 
 
+def test_manager_positive_lookup_cache(tmp_path, vllm_available):
+    """disk_lookup_cache_s: a lookup that found a block's files is believed for that long
+    (no filesystem call; counted in lookups_cached), a miss is never cached (a file that
+    appears later is found at once: visibility lag of a distributed filesystem), a failed
+    load of the block drops the entry so the next lookup asks the filesystem again, and
+    reset_cache forgets everything. Off (0, the default off FUSE): every lookup asks."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    lay = Layout(str(tmp_path), ns)
+    r = ReqContext("r")
+    k, late = key(1), key(2)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=0, lookup_cache_s=60.0)
+    off = PyKVCacheManager(str(tmp_path), [ns], n_dram=0)
+    assert m.lookup(late, r) == LookupResult.MISS
+    assert lay.write_block(bytes(k), bytes(ns.block_bytes))
+    assert lay.write_block(bytes(late), bytes(ns.block_bytes))
+    assert m.lookup(late, r) == LookupResult.HIT  # the earlier miss was not cached
+    assert m.lookup(k, r) == LookupResult.HIT and off.lookup(k, r) == LookupResult.HIT
+    os.unlink(lay.path_for(bytes(k)))  # evicted by some other process
+    assert off.lookup(k, r) == LookupResult.MISS
+    assert m.lookup(k, r) == LookupResult.HIT  # believed: no filesystem call
+    assert m.stats()["lookups_cached"] == 1
+    m.on_worker_report({bytes(k)}, {})  # its load failed (file missing): entry dropped
+    m._bad.clear()  # (the failed-load quarantine is tested elsewhere)
+    assert m.lookup(k, r) == LookupResult.MISS
+    assert m.lookup(late, r) == LookupResult.HIT and m.stats()["lookups_cached"] == 2
+    m.reset_cache()
+    os.unlink(lay.path_for(bytes(late)))
+    assert m.lookup(late, r) == LookupResult.MISS
+
+
+def test_disk_lookup_cache_option():
+    from kvcache_core.config import ConfigError
+    from kvcache_core.vllm.options import parse_extra_config
+
+    assert parse_extra_config({}).disk_lookup_cache_s == "auto"
+    assert parse_extra_config({"disk_lookup_cache_s": 0.5}).disk_lookup_cache_s == 0.5
+    for bad in (-1, "2s", True, 4000):
+        with pytest.raises(ConfigError, match="'disk_lookup_cache_s'"):
+            parse_extra_config({"disk_lookup_cache_s": bad})
+
+
 def test_store_spec_dram_only_validation():
     from kvcache_core.vllm.specs import PyKVStoreSpec
 
