@@ -45,6 +45,7 @@ recompute, nothing waits forever.
 from __future__ import annotations
 
 import collections
+import enum
 import errno as _errno
 import logging
 import os
@@ -53,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .copy import Copier, NullCopier
 from .flags import FLUSH, IN_SLOT, NO_DISK
@@ -67,12 +68,64 @@ LOAD, STORE = 0, 1
 # item flags (public ones in kvcache_core.flags, shared with the vLLM glue)
 SUPERSEDED = 1 << 8  # (internal) preload replaced by a foreground load of its key
 PREEMPTED = 1 << 9   # (internal) preload to close and re-queue when its open completes
-# task states
-(Q, OPENING, OPENED, READING, READY, COPY_OUT, COPY_IN, W_OPENING, WRITING, SYNCING,
- CLOSING, DONE, JOINED, WB_QUEUED) = range(14)
-# op codes in the low bits of an I/O tag
-OP_OPEN, OP_READ, OP_WOPEN, OP_WRITE, OP_FSYNC, OP_CLOSE, OP_WCLOSE = range(7)
+
+
+class State(enum.IntEnum):
+    """Where a task is. Loads: Q -> OPENING -> OPENED -> READING -> READY -> COPY_OUT ->
+    DONE (JOINED: riding another load's read of the same key). Stores: Q -> COPY_IN ->
+    WB_QUEUED -> W_OPENING -> WRITING (-> SYNCING) -> CLOSING -> DONE."""
+
+    Q = 0
+    OPENING = 1
+    OPENED = 2
+    READING = 3
+    READY = 4
+    COPY_OUT = 5
+    COPY_IN = 6
+    W_OPENING = 7
+    WRITING = 8
+    SYNCING = 9
+    CLOSING = 10
+    DONE = 11
+    JOINED = 12
+    WB_QUEUED = 13
+
+
+class Op(enum.IntEnum):
+    """The file operation of an I/O tag (its low ``OP_BITS`` bits; the task id above them,
+    see ``_Task.tag``). One completion handler per value (``Reactor._on_cqe``)."""
+
+    OPEN = 0     # open for reading (load)
+    READ = 1
+    WOPEN = 2    # temp-file create (store)
+    WRITE = 3
+    FSYNC = 4
+    CLOSE = 5    # close after a read or an abandoned open: nothing to do on completion
+    WCLOSE = 6   # close of a written temp file: publish it
+
+
 OP_BITS = 3
+OP_MASK = (1 << OP_BITS) - 1
+assert max(Op) <= OP_MASK
+# module aliases of the members (plain global loads on the reactor's hot path)
+(Q, OPENING, OPENED, READING, READY, COPY_OUT, COPY_IN, W_OPENING, WRITING, SYNCING,
+ CLOSING, DONE, JOINED, WB_QUEUED) = tuple(State)
+OP_OPEN, OP_READ, OP_WOPEN, OP_WRITE, OP_FSYNC, OP_CLOSE, OP_WCLOSE = tuple(Op)
+
+
+class _ReqMsg(NamedTuple):
+    """Inbox: a client's load or store request (:meth:`Reactor._submit`)."""
+
+    req_id: Hashable
+    kind: int  # LOAD or STORE
+    items: list
+    prio: Priority
+
+
+class _CancelMsg(NamedTuple):
+    """Inbox: cancel ``req_id`` (:meth:`Reactor.cancel`)."""
+
+    req_id: Hashable
 #: interpreter switch interval the reactor sets when the current one is larger (None: keep)
 SWITCH_INTERVAL_S = 0.0005
 
@@ -163,7 +216,7 @@ class _Task:
     __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
                  "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags",
                  "payload", "nread", "copied", "xslot", "depth", "t_op", "expired",
-                 "reopened")
+                 "reopened", "tag")
 
     def reset(self) -> None:
         self.ref = None
@@ -333,6 +386,12 @@ class Reactor:
         self._new_fg: collections.deque[_Task] = collections.deque()  # foreground loads
         self._new_store: collections.deque[_Task] = collections.deque()  # stores, no slot yet
         self._wq: collections.deque[_Task] = collections.deque()  # copied, file not started
+        #: completion handler per Op (index = the op code; CLOSE needs none)
+        self._handlers: tuple[Callable[[_Task, int], None] | None, ...] = (
+            self._on_open, self._on_read, self._on_wopen, self._on_write, self._on_fsync,
+            None, self._on_wclose)
+        assert all((h is None) == (op == Op.CLOSE) for op, h in zip(Op, self._handlers,
+                                                                     strict=True))
         self._new_spec: collections.deque[_Task] = collections.deque()
         self._opened_fg: collections.deque[_Task] = collections.deque()
         self._opened_spec: collections.deque[_Task] = collections.deque()
@@ -417,7 +476,7 @@ class Reactor:
 
     def cancel(self, req_id: Hashable) -> None:
         """Cancel a request: tasks not yet reading/writing are dropped (completion says so)."""
-        self._inbox.append(("cancel", req_id))
+        self._inbox.append(_CancelMsg(req_id))
         self.engine.wake()
 
     def _submit(self, req_id, kind, items, prio) -> None:
@@ -441,7 +500,7 @@ class Reactor:
             self._fg_stamp = time.monotonic()
         with self._cv:
             self._outstanding += 1
-        self._inbox.append(("req", req_id, kind, items, prio))
+        self._inbox.append(_ReqMsg(req_id, kind, items, prio))
         if self.dead is not None:  # nobody will serve it: fail it now (recompute)
             self._fail_inbox()
             return
@@ -547,11 +606,11 @@ class Reactor:
         return worked
 
     # ---------------------------------------------------------------- inbox
-    def _handle_msg(self, msg) -> None:
-        if msg[0] == "cancel":
-            self._cancel(msg[1])
+    def _handle_msg(self, msg: _ReqMsg | _CancelMsg) -> None:
+        if type(msg) is _CancelMsg:
+            self._cancel(msg.req_id)
             return
-        _, req_id, kind, items, prio = msg
+        req_id, kind, items, prio = msg
         req = _Request(req_id, kind, len(items), prio)
         if self.trace is not None:
             self._trace("load" if kind == LOAD else "store", req_id, len(items))
@@ -682,7 +741,7 @@ class Reactor:
             self._finish(sp, True)
         elif sp.state == OPENED:
             self._opened_spec.remove(sp)
-            self.engine.close((sp.tid << OP_BITS) | OP_CLOSE, sp.fd)
+            self.engine.close(sp.tag | OP_CLOSE, sp.fd)
             sp.fd = -1
             self._finish(sp, True)
         else:  # OPENING: finished when its open completes
@@ -693,6 +752,7 @@ class Reactor:
         t = self._free_tasks.pop() if self._free_tasks else _Task()
         t.reset()
         t.tid = self._next_tid
+        t.tag = t.tid << OP_BITS  # an I/O's tag is t.tag | Op
         self._next_tid += 1
         self._tasks[t.tid] = t
         return t
@@ -706,7 +766,7 @@ class Reactor:
             return
         if t is not None and t.state == OPENED:
             self._opened_spec.remove(t)
-            self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
+            self.engine.close(t.tag | OP_CLOSE, t.fd)
             t.fd = -1
             t.state = Q
             self._spec_active = None
@@ -725,7 +785,7 @@ class Reactor:
                     continue
                 dq.remove(t)
                 if t.fd >= 0:
-                    self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
+                    self.engine.close(t.tag | OP_CLOSE, t.fd)
                     t.fd = -1
                 if t is self._spec_active:
                     self._spec_active = None
@@ -756,7 +816,7 @@ class Reactor:
             t.state = OPENING
             t.t_op = time.monotonic()
             self._opening += 1
-            eng.open((t.tid << OP_BITS) | OP_OPEN, self.layout.path_for(t.key), self._rflags)
+            eng.open(t.tag | OP_OPEN, self.layout.path_for(t.key), self._rflags)
             worked = True
         # 4. write-back: copied blocks whose file is not started, while io_depth allows
         #    (after step 1, so a freed unit goes to a ready foreground read first), at
@@ -775,7 +835,7 @@ class Reactor:
             t.state = OPENING
             t.t_op = time.monotonic()
             self._opening += 1
-            eng.open((t.tid << OP_BITS) | OP_OPEN, self.layout.path_for(t.key), self._rflags)
+            eng.open(t.tag | OP_OPEN, self.layout.path_for(t.key), self._rflags)
             worked = True
         if self._opened_spec and not self._opened_fg and self._io_inflight < self.io_depth:
             t = self._opened_spec[0]
@@ -894,146 +954,162 @@ class Reactor:
         t.depth = True
         self._io_inflight += 1
         self._writes_inflight += 1
-        self.engine.open((t.tid << OP_BITS) | OP_WOPEN, t.tmp, self._wflags)
+        self.engine.open(t.tag | OP_WOPEN, t.tmp, self._wflags)
 
     def _start_read(self, t: _Task, slot: int) -> None:
         t.slot = slot
         t.state = READING
         t.t_op = time.monotonic()
         self._io_inflight += 1
-        self.engine.read((t.tid << OP_BITS) | OP_READ, t.fd, self._iov[slot], 0)
+        self.engine.read(t.tag | OP_READ, t.fd, self._iov[slot], 0)
 
     # ---------------------------------------------------------------- completions
     def _on_cqe(self, tag: int, res: int) -> None:
-        op = tag & ((1 << OP_BITS) - 1)
+        """One completion: its task (the tag's high bits) and its operation's handler (the
+        low bits). A task already expired only gives its resources back (:meth:`_reap`);
+        a plain close needs nothing."""
+        op = tag & OP_MASK
         t = self._tasks.get(tag >> OP_BITS)
         if op == OP_CLOSE or t is None:
             return
         if t.expired:  # already reported failed: only give its resources back
             self._reap(t, op, res)
             return
-        if op == OP_OPEN:
-            self._opening -= 1
-            if t.req.cancelled:
-                if res >= 0:
-                    self.engine.close((t.tid << OP_BITS) | OP_CLOSE, res)
-                self._finish(t, False)
-                return
-            if res < 0:
-                if res == -_errno.ENOENT:
-                    self.stats.loads_miss += 1
-                else:
-                    self._count_error("open", res)
-                    self.stats.loads_error += 1
-                if t is self._spec_active:
-                    self._spec_active = None
-                self._finish(t, False)
-                return
-            if t.flags & (SUPERSEDED | PREEMPTED):
-                self.engine.close((t.tid << OP_BITS) | OP_CLOSE, res)
-                if t is self._spec_active:
-                    self._spec_active = None
-                if t.flags & SUPERSEDED:
-                    self._finish(t, True)
-                else:
-                    t.flags &= ~PREEMPTED
-                    t.state = Q
-                    self._new_spec.appendleft(t)
-                    self.stats.spec_requeued += 1
-                return
-            t.fd = res
-            t.state = OPENED
-            (self._opened_spec if t.prio == Priority.SPECULATIVE else self._opened_fg).append(t)
-        elif op == OP_READ:
-            self._io_inflight -= 1
-            self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
-            t.fd = -1
+        self._handlers[op](t, res)
+
+    def _on_open(self, t: _Task, res: int) -> None:
+        """A read-side open completed (``res``: the fd or -errno)."""
+        self._opening -= 1
+        if t.req.cancelled:
+            if res >= 0:
+                self.engine.close(t.tag | OP_CLOSE, res)
+            self._finish(t, False)
+            return
+        if res < 0:
+            if res == -_errno.ENOENT:
+                self.stats.loads_miss += 1
+            else:
+                self._count_error("open", res)
+                self.stats.loads_error += 1
             if t is self._spec_active:
                 self._spec_active = None
-            if res < 0:
-                self._count_error("read", res)
-                self.stats.loads_error += 1
-                self._drop_slot(t)
-                self._finish(t, False)
-                return
-            # Verified after this iteration's new reads are submitted (see _step): the disk
-            # gets its next requests before we spend ~1 ms hashing 28 MiB.
-            t.nread = res
-            self._verify.append(t)
-        elif op == OP_WOPEN:
-            if res in (-_errno.ENOENT, -_errno.ESTALE) and not t.reopened:
-                # The shard directory is gone or stale: removed by `kvcache purge`/gc, or
-                # a mkdir race between two clients of a distributed filesystem (GlusterFS
-                # keeps a stale entry for about a second). Make it again, retry once.
-                t.reopened = True
-                self.stats.temp_reopens += 1
-                try:
-                    t.tmp, t.final = self.layout.temp_path_for(t.key, remake=True)
-                except OSError as e:
-                    self._store_failed(t, "mkdir", -(e.errno or _errno.EIO))
-                    return
-                t.t_op = time.monotonic()
-                self.engine.open((t.tid << OP_BITS) | OP_WOPEN, t.tmp, self._wflags)
-                return
-            if res < 0:
-                self._store_failed(t, "open", res)
-                return
-            t.fd = res
-            t.state = WRITING
-            t.t_op = time.monotonic()
-            self.engine.write((t.tid << OP_BITS) | OP_WRITE, res, self._write_iov(t), 0)
-        elif op == OP_WRITE:
-            if res != t.wlen:  # a short write is how a full filesystem answers (tmpfs)
-                self._store_failed(t, "write", res if res < 0 else -_errno.ENOSPC)
-                return
-            self._io_inflight -= 1
-            self._writes_inflight -= 1
-            t.depth = False
-            self.stats.bytes_written += res
-            t.t_op = time.monotonic()
-            if self.layout.durable:
-                t.state = SYNCING
-                self.engine.fsync((t.tid << OP_BITS) | OP_FSYNC, t.fd)
+            self._finish(t, False)
+            return
+        if t.flags & (SUPERSEDED | PREEMPTED):
+            self.engine.close(t.tag | OP_CLOSE, res)
+            if t is self._spec_active:
+                self._spec_active = None
+            if t.flags & SUPERSEDED:
+                self._finish(t, True)
             else:
-                t.state = CLOSING
-                self.engine.close((t.tid << OP_BITS) | OP_WCLOSE, t.fd)
-        elif op == OP_FSYNC:
-            if res < 0:
-                self._store_failed(t, "fsync", res)
-                return
-            t.state = CLOSING
-            t.t_op = time.monotonic()
-            self.engine.close((t.tid << OP_BITS) | OP_WCLOSE, t.fd)
-        elif op == OP_WCLOSE:
-            t.fd = -1
-            if res < 0:  # close reports a deferred write error (NFS, FUSE): not complete
-                self._store_failed(t, "close", res)
-                return
+                t.flags &= ~PREEMPTED
+                t.state = Q
+                self._new_spec.appendleft(t)
+                self.stats.spec_requeued += 1
+            return
+        t.fd = res
+        t.state = OPENED
+        (self._opened_spec if t.prio == Priority.SPECULATIVE else self._opened_fg).append(t)
+
+    def _on_read(self, t: _Task, res: int) -> None:
+        """A block's read completed (``res``: bytes read or -errno)."""
+        self._io_inflight -= 1
+        self.engine.close(t.tag | OP_CLOSE, t.fd)
+        t.fd = -1
+        if t is self._spec_active:
+            self._spec_active = None
+        if res < 0:
+            self._count_error("read", res)
+            self.stats.loads_error += 1
+            self._drop_slot(t)
+            self._finish(t, False)
+            return
+        # Verified after this iteration's new reads are submitted (see _step): the disk
+        # gets its next requests before we spend ~1 ms hashing 28 MiB.
+        t.nread = res
+        self._verify.append(t)
+
+    def _on_wopen(self, t: _Task, res: int) -> None:
+        """A temp-file create completed (``res``: the fd or -errno)."""
+        if res in (-_errno.ENOENT, -_errno.ESTALE) and not t.reopened:
+            # The shard directory is gone or stale: removed by `kvcache purge`/gc, or
+            # a mkdir race between two clients of a distributed filesystem (GlusterFS
+            # keeps a stale entry for about a second). Make it again, retry once.
+            t.reopened = True
+            self.stats.temp_reopens += 1
             try:
-                published = self.layout.publish(t.tmp, t.final, t.wlen)
+                t.tmp, t.final = self.layout.temp_path_for(t.key, remake=True)
             except OSError as e:
-                self.layout.discard(t.tmp)
-                if isinstance(e, CapacityExceeded):  # max_disk_bytes, checked at publish
-                    self.stats.stores_dropped_capacity += 1
-                elif e.errno in (_errno.ENOSPC, _errno.EDQUOT):
-                    self.stats.stores_dropped_enospc += 1
-                else:
-                    self._count_error("publish", -(e.errno or _errno.EIO))
-                    self.stats.stores_error += 1
-                self._drop_slot(t)
-                self._finish(t, False)
+                self._store_failed(t, "mkdir", -(e.errno or _errno.EIO))
                 return
-            if self.trace is not None:
-                self._trace("write_done", None, t.nbytes)
-            if published:
-                self.stats.stores_ok += 1
+            t.t_op = time.monotonic()
+            self.engine.open(t.tag | OP_WOPEN, t.tmp, self._wflags)
+            return
+        if res < 0:
+            self._store_failed(t, "open", res)
+            return
+        t.fd = res
+        t.state = WRITING
+        t.t_op = time.monotonic()
+        self.engine.write(t.tag | OP_WRITE, res, self._write_iov(t), 0)
+
+    def _on_write(self, t: _Task, res: int) -> None:
+        """A block file's write completed (``res``: bytes written or -errno)."""
+        if res != t.wlen:  # a short write is how a full filesystem answers (tmpfs)
+            self._store_failed(t, "write", res if res < 0 else -_errno.ENOSPC)
+            return
+        self._io_inflight -= 1
+        self._writes_inflight -= 1
+        t.depth = False
+        self.stats.bytes_written += res
+        t.t_op = time.monotonic()
+        if self.layout.durable:
+            t.state = SYNCING
+            self.engine.fsync(t.tag | OP_FSYNC, t.fd)
+        else:
+            t.state = CLOSING
+            self.engine.close(t.tag | OP_WCLOSE, t.fd)
+
+    def _on_fsync(self, t: _Task, res: int) -> None:
+        """``durable``: a block file's fdatasync completed."""
+        if res < 0:
+            self._store_failed(t, "fsync", res)
+            return
+        t.state = CLOSING
+        t.t_op = time.monotonic()
+        self.engine.close(t.tag | OP_WCLOSE, t.fd)
+
+    def _on_wclose(self, t: _Task, res: int) -> None:
+        """A written temp file was closed: publish it under its final name."""
+        t.fd = -1
+        if res < 0:  # close reports a deferred write error (NFS, FUSE): not complete
+            self._store_failed(t, "close", res)
+            return
+        try:
+            published = self.layout.publish(t.tmp, t.final, t.wlen)
+        except OSError as e:
+            self.layout.discard(t.tmp)
+            if isinstance(e, CapacityExceeded):  # max_disk_bytes, checked at publish
+                self.stats.stores_dropped_capacity += 1
+            elif e.errno in (_errno.ENOSPC, _errno.EDQUOT):
+                self.stats.stores_dropped_enospc += 1
             else:
-                self.stats.stores_existing += 1
-            if not t.ext:
-                self._slot_len[t.slot] = t.nbytes
-                self.alloc.release(t.slot, t.key)
-            t.slot = -1
-            self._finish(t, True)
+                self._count_error("publish", -(e.errno or _errno.EIO))
+                self.stats.stores_error += 1
+            self._drop_slot(t)
+            self._finish(t, False)
+            return
+        if self.trace is not None:
+            self._trace("write_done", None, t.nbytes)
+        if published:
+            self.stats.stores_ok += 1
+        else:
+            self.stats.stores_existing += 1
+        if not t.ext:
+            self._slot_len[t.slot] = t.nbytes
+            self.alloc.release(t.slot, t.key)
+        t.slot = -1
+        self._finish(t, True)
 
     def _acquire(self, tid: int, prio: Priority) -> int:
         """A staging slot for task ``tid`` (-1: none). A slot that still held a preloaded
@@ -1141,7 +1217,7 @@ class Reactor:
             self._io_inflight -= 1
             self._writes_inflight -= 1
         if t.fd >= 0:
-            self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
+            self.engine.close(t.tag | OP_CLOSE, t.fd)
             t.fd = -1
         if t.tmp:
             self.layout.discard(t.tmp)
@@ -1336,10 +1412,10 @@ class Reactor:
         if op == OP_OPEN:
             self._opening -= 1
             if res >= 0:
-                self.engine.close((t.tid << OP_BITS) | OP_CLOSE, res)
+                self.engine.close(t.tag | OP_CLOSE, res)
         elif op == OP_READ:
             self._io_inflight -= 1
-            self.engine.close((t.tid << OP_BITS) | OP_CLOSE, t.fd)
+            self.engine.close(t.tag | OP_CLOSE, t.fd)
             t.fd = -1
             self._drop_slot(t)
         else:  # a store's open / write / fsync / close
@@ -1410,9 +1486,9 @@ class Reactor:
                 msg = inbox.popleft()
             except IndexError:
                 return
-            if msg[0] != "req":
+            if type(msg) is not _ReqMsg:
                 continue
-            _, req_id, kind, items, prio = msg
+            req_id, kind, items, prio = msg
             req = _Request(req_id, kind, len(items), prio)
             req.remaining = 0
             self._complete(req)
