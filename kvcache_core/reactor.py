@@ -45,7 +45,6 @@ recompute, nothing waits forever.
 from __future__ import annotations
 
 import collections
-import enum
 import errno as _errno
 import logging
 import os
@@ -60,58 +59,43 @@ from .copy import Copier, NullCopier
 from .flags import FLUSH, IN_SLOT, NO_DISK
 from .io import IOEngine, make_engine, probe_direct
 from .layout import HEADER_BYTES, MAX_KEY_BYTES, CapacityExceeded, CorruptBlock, Layout, round_up
+from .routing import LoadRouting
 from .staging import Priority, SlotAllocator, StagingPool
+from .tasks import (  # noqa: F401  (states and op codes are re-exported for tests/tools)
+    CLOSING,
+    COPY_IN,
+    COPY_OUT,
+    DONE,
+    JOINED,
+    LOAD,
+    OP_BITS,
+    OP_CLOSE,
+    OP_FSYNC,
+    OP_MASK,
+    OP_OPEN,
+    OP_READ,
+    OP_WCLOSE,
+    OP_WOPEN,
+    OP_WRITE,
+    OPENED,
+    OPENING,
+    PREEMPTED,
+    READING,
+    READY,
+    STORE,
+    SUPERSEDED,
+    SYNCING,
+    W_OPENING,
+    WB_QUEUED,
+    WRITING,
+    Op,
+    Q,
+    Request,
+    State,
+    Task,
+)
 
 log = logging.getLogger(__name__)
-
-LOAD, STORE = 0, 1
-# item flags (public ones in kvcache_core.flags, shared with the vLLM glue)
-SUPERSEDED = 1 << 8  # (internal) preload replaced by a foreground load of its key
-PREEMPTED = 1 << 9   # (internal) preload to close and re-queue when its open completes
-
-
-class State(enum.IntEnum):
-    """Where a task is. Loads: Q -> OPENING -> OPENED -> READING -> READY -> COPY_OUT ->
-    DONE (JOINED: riding another load's read of the same key). Stores: Q -> COPY_IN ->
-    WB_QUEUED -> W_OPENING -> WRITING (-> SYNCING) -> CLOSING -> DONE."""
-
-    Q = 0
-    OPENING = 1
-    OPENED = 2
-    READING = 3
-    READY = 4
-    COPY_OUT = 5
-    COPY_IN = 6
-    W_OPENING = 7
-    WRITING = 8
-    SYNCING = 9
-    CLOSING = 10
-    DONE = 11
-    JOINED = 12
-    WB_QUEUED = 13
-
-
-class Op(enum.IntEnum):
-    """The file operation of an I/O tag (its low ``OP_BITS`` bits; the task id above them,
-    see ``_Task.tag``). One completion handler per value (``Reactor._on_cqe``)."""
-
-    OPEN = 0     # open for reading (load)
-    READ = 1
-    WOPEN = 2    # temp-file create (store)
-    WRITE = 3
-    FSYNC = 4
-    CLOSE = 5    # close after a read or an abandoned open: nothing to do on completion
-    WCLOSE = 6   # close of a written temp file: publish it
-
-
-OP_BITS = 3
-OP_MASK = (1 << OP_BITS) - 1
-assert max(Op) <= OP_MASK
-# module aliases of the members (plain global loads on the reactor's hot path)
-(Q, OPENING, OPENED, READING, READY, COPY_OUT, COPY_IN, W_OPENING, WRITING, SYNCING,
- CLOSING, DONE, JOINED, WB_QUEUED) = tuple(State)
-OP_OPEN, OP_READ, OP_WOPEN, OP_WRITE, OP_FSYNC, OP_CLOSE, OP_WCLOSE = tuple(Op)
-
 
 class _ReqMsg(NamedTuple):
     """Inbox: a client's load or store request (:meth:`Reactor._submit`)."""
@@ -126,6 +110,8 @@ class _CancelMsg(NamedTuple):
     """Inbox: cancel ``req_id`` (:meth:`Reactor.cancel`)."""
 
     req_id: Hashable
+
+
 #: interpreter switch interval the reactor sets when the current one is larger (None: keep)
 SWITCH_INTERVAL_S = 0.0005
 
@@ -212,54 +198,7 @@ class ReactorStats:
         return d
 
 
-class _Task:
-    __slots__ = ("tid", "kind", "key", "ref", "nbytes", "req", "idx", "prio", "state",
-                 "slot", "fd", "tmp", "final", "cached", "handle", "wlen", "ext", "flags",
-                 "payload", "nread", "copied", "xslot", "depth", "t_op", "expired",
-                 "reopened", "tag")
-
-    def reset(self) -> None:
-        self.ref = None
-        self.req = None
-        self.slot = -1
-        self.fd = -1
-        self.tmp = self.final = None
-        self.cached = False
-        self.ext = False
-        self.copied = False
-        self.xslot = -1  # the caller-owned slot this task owns (see Reactor._ext_owner)
-        self.flags = 0
-        self.depth = False  # holds one io_depth unit (a read or a file write in flight)
-        self.payload = 0
-        self.handle = None
-        self.state = Q
-        self.t_op = 0.0  # time.monotonic() when its current file operation was submitted
-        self.expired = False  # reported failed; waits for its operation's completion
-        self.reopened = False  # its temp-file create was retried once (shard dir made again)
-
-
-class _Request:
-    __slots__ = ("req_id", "kind", "ok", "remaining", "cancelled", "prio", "hold", "acked",
-                 "dropping", "t0")
-
-    def __init__(self, req_id, kind, n, prio):
-        self.req_id = req_id
-        self.kind = kind
-        self.t0 = time.monotonic()
-        self.ok = [False] * n
-        self.remaining = n
-        self.cancelled = False
-        self.prio = prio
-        #: store: items still reading their source (device copy not done); at 0 the
-        #: early acknowledgement may go out (see Reactor doc)
-        self.hold = 0
-        self.acked = False
-        #: store, ``store_policy="drop"``: a block was dropped for back-pressure, so the
-        #: later staging blocks of this request are dropped too
-        self.dropping = False
-
-
-class Reactor:
+class Reactor(LoadRouting):
     """Single-thread pipeline between a :class:`Layout`, a staging pool and a copier.
 
     ``retain`` turns finished slots into a DRAM cache tier (``policy`` lru|arc).
@@ -380,36 +319,36 @@ class Reactor:
         # client -> reactor
         self._inbox: collections.deque = collections.deque()
         # reactor state
-        self._tasks: dict[int, _Task] = {}
-        self._free_tasks: list[_Task] = []
+        self._tasks: dict[int, Task] = {}
+        self._free_tasks: list[Task] = []
         self._next_tid = 1
-        self._new_fg: collections.deque[_Task] = collections.deque()  # foreground loads
-        self._new_store: collections.deque[_Task] = collections.deque()  # stores, no slot yet
-        self._wq: collections.deque[_Task] = collections.deque()  # copied, file not started
+        self._new_fg: collections.deque[Task] = collections.deque()  # foreground loads
+        self._new_store: collections.deque[Task] = collections.deque()  # stores, no slot yet
+        self._wq: collections.deque[Task] = collections.deque()  # copied, file not started
         #: completion handler per Op (index = the op code; CLOSE needs none)
-        self._handlers: tuple[Callable[[_Task, int], None] | None, ...] = (
+        self._handlers: tuple[Callable[[Task, int], None] | None, ...] = (
             self._on_open, self._on_read, self._on_wopen, self._on_write, self._on_fsync,
             None, self._on_wclose)
         assert all((h is None) == (op == Op.CLOSE) for op, h in zip(Op, self._handlers,
                                                                      strict=True))
-        self._new_spec: collections.deque[_Task] = collections.deque()
-        self._opened_fg: collections.deque[_Task] = collections.deque()
-        self._opened_spec: collections.deque[_Task] = collections.deque()
-        self._ready: list[_Task] = []          # reads done this iteration -> one batch
-        self._verify: list[_Task] = []         # reads completed, header/checksum not checked
+        self._new_spec: collections.deque[Task] = collections.deque()
+        self._opened_fg: collections.deque[Task] = collections.deque()
+        self._opened_spec: collections.deque[Task] = collections.deque()
+        self._ready: list[Task] = []          # reads done this iteration -> one batch
+        self._verify: list[Task] = []         # reads completed, header/checksum not checked
         self._copies: collections.deque = collections.deque()  # (handle, [tasks])
-        self._store_copies: list[tuple[Any, list[_Task]]] = []  # (handle, tasks) batches
-        self._sb_tasks: dict[Any, list[_Task]] = {}  # per-iteration store batches (scratch)
+        self._store_copies: list[tuple[Any, list[Task]]] = []  # (handle, tasks) batches
+        self._sb_tasks: dict[Any, list[Task]] = {}  # per-iteration store batches (scratch)
         self._opening = 0
         self._io_inflight = 0
         self._writes_inflight = 0  # file writes holding an io_depth unit (<= write_depth)
-        self._spec_active: _Task | None = None
-        self._spec_by_key: dict[bytes, _Task] = {}  # preloads not yet staged
-        self._joiners: dict[bytes, list[_Task]] = {}  # loads waiting on a preload's read
+        self._spec_active: Task | None = None
+        self._spec_by_key: dict[bytes, Task] = {}  # preloads not yet staged
+        self._joiners: dict[bytes, list[Task]] = {}  # loads waiting on a preload's read
         # on-demand loads reading a block into a staging slot (the first of their key),
         # and the loads of the same key that wait for that read instead of their own
-        self._fg_by_key: dict[bytes, _Task] = {}
-        self._fg_joiners: dict[bytes, list[_Task]] = {}
+        self._fg_by_key: dict[bytes, Task] = {}
+        self._fg_joiners: dict[bytes, list[Task]] = {}
         # Caller-owned (external) slots: the task that currently writes the slot or writes
         # a file FROM it; later tasks that would overwrite the slot wait here, in order.
         # (An early-acknowledged store may still be writing its file from the slot when
@@ -419,7 +358,7 @@ class Reactor:
         # key a preload staged in a slot, until a load claims it (stale once reclaimed:
         # compared with the claiming key, so a reused slot never counts)
         self._staged: list[bytes | None] = [None] * self.pool.n_slots
-        self._reqs: dict[Hashable, _Request] = {}
+        self._reqs: dict[Hashable, Request] = {}
         self._cqes: list[tuple[int, int]] = []
         self._b_slots: list[int] = []
         self._b_dests: list[Any] = []
@@ -611,7 +550,7 @@ class Reactor:
             self._cancel(msg.req_id)
             return
         req_id, kind, items, prio = msg
-        req = _Request(req_id, kind, len(items), prio)
+        req = Request(req_id, kind, len(items), prio)
         if self.trace is not None:
             self._trace("load" if kind == LOAD else "store", req_id, len(items))
         if not items:
@@ -642,7 +581,7 @@ class Reactor:
                 self._ext_owner[t.slot] = t.tid
             self._route(t)
 
-    def _route(self, t: _Task) -> None:
+    def _route(self, t: Task) -> None:
         if t.kind == LOAD:
             self._route_load(t)
         elif t.flags & FLUSH:
@@ -650,7 +589,7 @@ class Reactor:
         else:
             self._new_store.append(t)
 
-    def _start_flush(self, t: _Task) -> None:
+    def _start_flush(self, t: Task) -> None:
         """A deferred write-back: the block is in ``t``'s caller-owned slot already (an
         earlier store kept it there without a file), so it joins the write-back queue as
         if just copied. A slot that does not hold the key fails the item, writes nothing."""
@@ -672,106 +611,14 @@ class Reactor:
         t.state = WB_QUEUED
         self._wq.append(t)
 
-    def _route_load(self, t: _Task) -> None:
-        """Where a new load goes: retained/staged slot, join an in-flight preload, queue."""
-        key = t.key
-        spec = t.prio == Priority.SPECULATIVE
-        slot = self.alloc.pin(key)
-        if slot >= 0:  # DRAM tier hit or a staged preload
-            if spec:  # nothing to preload: already here
-                self.alloc.unpin(slot)
-                self.stats.preload_deduped += 1
-                self._finish(t, True)
-                return
-            self._claim(t, slot)
-            return
-        sp = self._spec_by_key.get(key)
-        if sp is not None:
-            if spec:  # same prefix asked again: share the one read
-                self.stats.preload_deduped += 1
-                self._finish(t, True)
-                return
-            if sp.state == READING:  # join the read in flight instead of reading again
-                t.state = JOINED
-                self._joiners.setdefault(key, []).append(t)
-                self.stats.preload_joined += 1
-                return
-            self._supersede(sp)  # not reading yet: the foreground load does the read
-        if spec:
-            self._spec_by_key[key] = t
-            self._new_spec.append(t)
-            return
-        fg = self._fg_by_key.get(key)
-        if fg is not None:  # another request reads this block now: one read for both
-            t.state = JOINED
-            self._fg_joiners.setdefault(key, []).append(t)
-            self.stats.loads_joined += 1
-            return
-        if not t.ext:
-            self._fg_by_key[key] = t
-        self._preempt_spec()
-        self._new_fg.append(t)
-
-    def _claim(self, t: _Task, slot: int, shared: bool = False) -> None:
-        """Serve load ``t`` from the pinned retained/staged ``slot`` (no disk read;
-        ``shared``: the slot holds a read this load made or joined, not a cache hit)."""
-        held = self._slot_len[slot]
-        t.nbytes = min(t.nbytes, held) if t.nbytes else held
-        if not shared:
-            if self._staged[slot] == t.key:  # first use of a preloaded block
-                self._staged[slot] = None
-                self.stats.preload_claimed += 1
-            else:
-                self.stats.loads_dram += 1
-        if t.ext:  # the caller wants the block in its own slot (its DRAM tier): copy it over
-            n = HEADER_BYTES + held
-            self.pool.views[t.slot][:n] = self.pool.views[slot][:n]
-            self.alloc.unpin(slot)
-        else:
-            t.slot, t.cached = slot, True
-        t.state = READY
-        self._ready.append(t)
-
-    def _supersede(self, sp: _Task) -> None:
-        """A foreground load for the key of a preload that has not started reading: the
-        preload is dropped (counted as deduplicated) and its fd closed."""
-        self.stats.preload_deduped += 1
-        if sp.state == Q:
-            self._new_spec.remove(sp)
-            self._finish(sp, True)
-        elif sp.state == OPENED:
-            self._opened_spec.remove(sp)
-            self.engine.close(sp.tag | OP_CLOSE, sp.fd)
-            sp.fd = -1
-            self._finish(sp, True)
-        else:  # OPENING: finished when its open completes
-            sp.flags |= SUPERSEDED
-            del self._spec_by_key[sp.key]
-
-    def _new_task(self) -> _Task:
-        t = self._free_tasks.pop() if self._free_tasks else _Task()
+    def _new_task(self) -> Task:
+        t = self._free_tasks.pop() if self._free_tasks else Task()
         t.reset()
         t.tid = self._next_tid
         t.tag = t.tid << OP_BITS  # an I/O's tag is t.tag | Op
         self._next_tid += 1
         self._tasks[t.tid] = t
         return t
-
-    def _preempt_spec(self) -> None:
-        """A foreground load arrived: stop the speculative file that is open (or being
-        opened), not reading: close its fd and re-queue the preload."""
-        t = self._spec_active
-        if t is not None and t.state == OPENING:
-            t.flags |= PREEMPTED  # closed and re-queued when the open completes
-            return
-        if t is not None and t.state == OPENED:
-            self._opened_spec.remove(t)
-            self.engine.close(t.tag | OP_CLOSE, t.fd)
-            t.fd = -1
-            t.state = Q
-            self._spec_active = None
-            self._new_spec.appendleft(t)
-            self.stats.spec_requeued += 1
 
     def _cancel(self, req_id) -> None:
         req = self._reqs.get(req_id)
@@ -913,7 +760,7 @@ class Reactor:
             batches.clear()
         return worked
 
-    def _copy_in(self, tasks: list[_Task]) -> None:
+    def _copy_in(self, tasks: list[Task]) -> None:
         """ONE device -> host copy for ``tasks`` (blocks of one store request)."""
         try:
             c0 = time.perf_counter()
@@ -933,7 +780,7 @@ class Reactor:
             t.ref = None
         self._store_copies.append((handle, tasks))
 
-    def _start_write(self, t: _Task) -> None:
+    def _start_write(self, t: Task) -> None:
         """Write-back of a copied block: checksum, capacity, temp file, one ``io_depth``
         unit."""
         if self.trace is not None:
@@ -956,7 +803,7 @@ class Reactor:
         self._writes_inflight += 1
         self.engine.open(t.tag | OP_WOPEN, t.tmp, self._wflags)
 
-    def _start_read(self, t: _Task, slot: int) -> None:
+    def _start_read(self, t: Task, slot: int) -> None:
         t.slot = slot
         t.state = READING
         t.t_op = time.monotonic()
@@ -977,7 +824,7 @@ class Reactor:
             return
         self._handlers[op](t, res)
 
-    def _on_open(self, t: _Task, res: int) -> None:
+    def _on_open(self, t: Task, res: int) -> None:
         """A read-side open completed (``res``: the fd or -errno)."""
         self._opening -= 1
         if t.req.cancelled:
@@ -1011,7 +858,7 @@ class Reactor:
         t.state = OPENED
         (self._opened_spec if t.prio == Priority.SPECULATIVE else self._opened_fg).append(t)
 
-    def _on_read(self, t: _Task, res: int) -> None:
+    def _on_read(self, t: Task, res: int) -> None:
         """A block's read completed (``res``: bytes read or -errno)."""
         self._io_inflight -= 1
         self.engine.close(t.tag | OP_CLOSE, t.fd)
@@ -1029,7 +876,7 @@ class Reactor:
         t.nread = res
         self._verify.append(t)
 
-    def _on_wopen(self, t: _Task, res: int) -> None:
+    def _on_wopen(self, t: Task, res: int) -> None:
         """A temp-file create completed (``res``: the fd or -errno)."""
         if res in (-_errno.ENOENT, -_errno.ESTALE) and not t.reopened:
             # The shard directory is gone or stale: removed by `kvcache purge`/gc, or
@@ -1053,7 +900,7 @@ class Reactor:
         t.t_op = time.monotonic()
         self.engine.write(t.tag | OP_WRITE, res, self._write_iov(t), 0)
 
-    def _on_write(self, t: _Task, res: int) -> None:
+    def _on_write(self, t: Task, res: int) -> None:
         """A block file's write completed (``res``: bytes written or -errno)."""
         if res != t.wlen:  # a short write is how a full filesystem answers (tmpfs)
             self._store_failed(t, "write", res if res < 0 else -_errno.ENOSPC)
@@ -1070,7 +917,7 @@ class Reactor:
             t.state = CLOSING
             self.engine.close(t.tag | OP_WCLOSE, t.fd)
 
-    def _on_fsync(self, t: _Task, res: int) -> None:
+    def _on_fsync(self, t: Task, res: int) -> None:
         """``durable``: a block file's fdatasync completed."""
         if res < 0:
             self._store_failed(t, "fsync", res)
@@ -1079,7 +926,7 @@ class Reactor:
         t.t_op = time.monotonic()
         self.engine.close(t.tag | OP_WCLOSE, t.fd)
 
-    def _on_wclose(self, t: _Task, res: int) -> None:
+    def _on_wclose(self, t: Task, res: int) -> None:
         """A written temp file was closed: publish it under its final name."""
         t.fd = -1
         if res < 0:  # close reports a deferred write error (NFS, FUSE): not complete
@@ -1120,20 +967,6 @@ class Reactor:
             self.stats.preload_wasted += 1
         return slot
 
-    def _stage(self, t: _Task) -> None:
-        """A preload's read finished: keep the slot (reclaimable by foreground work) and
-        hand it to the loads that joined the read."""
-        key, slot = t.key, t.slot
-        self._slot_len[slot] = t.payload
-        self.alloc.release(slot, key, force=True)
-        t.slot = -1
-        self._staged[slot] = key
-        self.stats.preload_staged += 1
-        self._finish(t, True)
-        for j in self._joiners.pop(key, ()):
-            s = self.alloc.pin(key)
-            self._claim(j, s)
-
     def _verify_reads(self) -> None:
         verify = self._verify
         for t in verify:
@@ -1163,21 +996,7 @@ class Reactor:
             self._ready.append(t)
         verify.clear()
 
-    def _share(self, t: _Task) -> None:
-        """On-demand load ``t`` read its block into a staging slot and other loads joined
-        it: the slot becomes a retained one (reclaimable once unpinned) that ``t`` and
-        every joiner pin and copy from, so the block was read once."""
-        key, slot = t.key, t.slot
-        del self._fg_by_key[key]
-        joiners = self._fg_joiners.pop(key)
-        self._slot_len[slot] = t.payload
-        self._staged[slot] = None
-        self.alloc.release(slot, key, force=True)
-        t.slot = -1
-        for x in (t, *joiners):
-            self._claim(x, self.alloc.pin(key), shared=True)
-
-    def _write_iov(self, t: _Task):
+    def _write_iov(self, t: Task):
         if t.wlen == self.slot_bytes:
             return self._iov[t.slot]
         return self.pool.views[t.slot][:t.wlen]
@@ -1210,7 +1029,7 @@ class Reactor:
         self._store_copies = keep
         return progressed
 
-    def _store_cleanup(self, t: _Task) -> None:
+    def _store_cleanup(self, t: Task) -> None:
         """Give back what a store's file write holds: I/O unit, fd, temp file, slot."""
         if t.depth:
             t.depth = False
@@ -1224,7 +1043,7 @@ class Reactor:
             t.tmp = None
         self._drop_slot(t)
 
-    def _store_failed(self, t: _Task, what: str, res: int) -> None:
+    def _store_failed(self, t: Task, what: str, res: int) -> None:
         self._store_cleanup(t)
         if res in (-_errno.ENOSPC, -_errno.EDQUOT):
             self.stats.stores_dropped_enospc += 1
@@ -1295,7 +1114,7 @@ class Reactor:
         return progressed
 
     # ---------------------------------------------------------------- bookkeeping
-    def _drop_slot(self, t: _Task) -> None:
+    def _drop_slot(self, t: Task) -> None:
         if t.slot >= 0 and not t.ext:
             self.alloc.release(t.slot)
             t.slot = -1
@@ -1304,7 +1123,7 @@ class Reactor:
         name = f"{what}:{_errno.errorcode.get(-res, str(-res))}"
         self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
 
-    def _source_done(self, t: _Task, finishing: bool) -> None:
+    def _source_done(self, t: Task, finishing: bool) -> None:
         """A store item no longer reads its source (copied, or ``finishing`` before it
         was copied). The early acknowledgement goes out only while items are left to
         write (the last one finishing brings the usual completion instead)."""
@@ -1315,7 +1134,7 @@ class Reactor:
             if req.hold == 0 and req.remaining > finishing:
                 self._early_ack(req)
 
-    def _early_ack(self, req: _Request) -> None:
+    def _early_ack(self, req: Request) -> None:
         """Every item of a store request has left its source: with ``early_store_ack``
         the request is reported now, as ``kind == "store_copied"``, while files are still
         being written; the final ``"store"`` completion follows as usual."""
@@ -1326,12 +1145,12 @@ class Reactor:
             self._trace("ack_store", req.req_id, req.remaining)
         self._publish(Completion(req.req_id, "store_copied", list(req.ok), req.cancelled))
 
-    def _finish(self, t: _Task, ok: bool) -> None:
+    def _finish(self, t: Task, ok: bool) -> None:
         ext_slot = t.xslot if t.xslot >= 0 and self._ext_owner.get(t.xslot) == t.tid else -1
         self._report(t, ok)
         self._free(t, ext_slot)
 
-    def _report(self, t: _Task, ok: bool) -> None:
+    def _report(self, t: Task, ok: bool) -> None:
         """Count ``t``'s item as done (``ok``) in its request; complete the request when it
         was the last. The task itself is not freed (see :meth:`_free`)."""
         if t.kind == STORE:
@@ -1356,7 +1175,7 @@ class Reactor:
             self._reqs.pop(req.req_id, None)
             self._complete(req)
 
-    def _free(self, t: _Task, ext_slot: int) -> None:
+    def _free(self, t: Task, ext_slot: int) -> None:
         """Recycle a finished task and hand its caller-owned slot (``ext_slot`` >= 0) to
         the next task waiting for it."""
         t.state = DONE
@@ -1392,7 +1211,7 @@ class Reactor:
                     self._expire_task(t)
         return hit
 
-    def _expire_task(self, t: _Task) -> None:
+    def _expire_task(self, t: Task) -> None:
         """``t``'s file operation passed its deadline: fail its item now (a load is a miss,
         a store is dropped) and keep the task, its fd, slot and I/O unit until the
         operation completes (the kernel may still be reading into or writing from the
@@ -1406,7 +1225,7 @@ class Reactor:
         t.expired = True
         self._report(t, False)
 
-    def _reap(self, t: _Task, op: int, res: int) -> None:
+    def _reap(self, t: Task, op: int, res: int) -> None:
         """The operation of an expired task completed: release what it held, publish
         nothing, copy nothing."""
         if op == OP_OPEN:
@@ -1459,7 +1278,7 @@ class Reactor:
             except Exception:  # pragma: no cover - callback bug must not kill the reactor
                 log.exception("py-kvcache: completion callback failed")
 
-    def _complete(self, req: _Request) -> None:
+    def _complete(self, req: Request) -> None:
         c = Completion(req.req_id, "load" if req.kind == LOAD else "store", req.ok,
                        req.cancelled)
         if self.trace is not None:
@@ -1489,6 +1308,6 @@ class Reactor:
             if type(msg) is not _ReqMsg:
                 continue
             req_id, kind, items, prio = msg
-            req = _Request(req_id, kind, len(items), prio)
+            req = Request(req_id, kind, len(items), prio)
             req.remaining = 0
             self._complete(req)
