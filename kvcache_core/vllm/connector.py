@@ -48,6 +48,7 @@ from . import compat
 from .options import (
     MODEL_DTYPE_KEY,
     MODEL_IDENTITY_KEY,
+    VllmOptions,
     check_block_size,
     model_identity,
     parse_extra_config,
@@ -190,8 +191,11 @@ def _identity_of(vllm_config: VllmConfig) -> str:
     return digest
 
 
-def prepare_vllm_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Validate our extra config and inject the private keys (idempotent, both roles)."""
+def prepare_vllm_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+                        ) -> VllmOptions:
+    """Validate our extra config and inject the private keys (idempotent, both roles).
+    Returns the parsed options (the connector's one parse; vLLM's spec factory parses the
+    same dict once more, in :class:`~kvcache_core.vllm.spec.PyKVCacheSpec`)."""
     kvt = vllm_config.kv_transfer_config
     assert kvt is not None
     extra = dict(kvt.kv_connector_extra_config or {})
@@ -221,6 +225,7 @@ def prepare_vllm_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
                  opts.load_failure_policy, "is recomputed" if opts.load_failure_policy ==
                  "recompute" else "fails its request")
         kvt.kv_load_failure_policy = opts.load_failure_policy
+    return opts
 
 
 class OffloadingConnector(_VllmOffloadingConnector):
@@ -239,8 +244,7 @@ class OffloadingConnector(_VllmOffloadingConnector):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         compat.require()  # vLLM 0.26.x or 0.32.x, else UnsupportedVLLMError
-        prepare_vllm_config(vllm_config, kv_cache_config)
-        opts = parse_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        opts = prepare_vllm_config(vllm_config, kv_cache_config)
         #: read by the patched scheduler (k of on_preload_candidates); 0 disables
         self.preload_lookahead = opts.preload_lookahead
         self._preload_max = opts.preload_max_blocks
