@@ -88,6 +88,7 @@ from .tasks import (  # noqa: F401  (states and op codes are re-exported for tes
     W_OPENING,
     WB_QUEUED,
     WRITING,
+    Item,
     Op,
     Q,
     Request,
@@ -372,12 +373,13 @@ class Reactor(LoadRouting):
         self._thread.start()
 
     # ================================================================ client API
-    def load(self, req_id: Hashable, items: Sequence[tuple[bytes, Any, int]],
+    def load(self, req_id: Hashable, items: Sequence[Item | tuple],
              priority: Priority = Priority.FOREGROUND) -> None:
-        """Queue a load of ``items`` = [(key, dest, nbytes)]; completes via :meth:`poll`."""
+        """Queue a load of ``items`` (:class:`~kvcache_core.tasks.Item`, or tuples
+        (key, dest, nbytes[, slot, flags])); completes via :meth:`poll`."""
         self._submit(req_id, LOAD, items, priority)
 
-    def store(self, req_id: Hashable, items: Sequence[tuple[bytes, Any, int]]) -> None:
+    def store(self, req_id: Hashable, items: Sequence[Item | tuple]) -> None:
         """Queue a store of ``items`` = [(key, src, nbytes)] (src: what the copier reads),
         or [(key, src, nbytes, external slot, flags)] to store into a caller-owned slot
         (``NO_DISK``: fill the slot, write no file; ``FLUSH``: src None, nbytes 0, the

@@ -10,9 +10,26 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any, NamedTuple
 
 #: request kinds
 LOAD, STORE = 0, 1
+
+
+class Item(NamedTuple):
+    """One block of a load or store request (:meth:`kvcache_core.reactor.Reactor.load` /
+    ``store``). Plain tuples of the first 3 or all 5 fields are accepted too.
+
+    ``ref``: what the copier copies to (load) or from (store); None for a preload or a
+    ``FLUSH``. ``slot`` >= 0: the caller-owned (DRAM-tier) pool slot the block goes
+    through, with ``flags`` from :mod:`kvcache_core.flags` (``IN_SLOT``, ``NO_DISK``,
+    ``FLUSH``)."""
+
+    key: bytes
+    ref: Any
+    nbytes: int
+    slot: int = -1
+    flags: int = 0
 # item flags (public ones in kvcache_core.flags, shared with the vLLM glue)
 SUPERSEDED = 1 << 8  # (internal) preload replaced by a foreground load of its key
 PREEMPTED = 1 << 9   # (internal) preload to close and re-queue when its open completes

@@ -63,7 +63,7 @@ from vllm.v1.kv_offload.base import (
 from ..config import StorageConfig
 from ..flags import FLUSH, IN_SLOT, NO_DISK
 from ..layout import Layout, Namespace
-from ..reactor import Completion, Reactor
+from ..reactor import Completion, Item, Reactor
 from ..staging import Priority
 from .options import PoolGeometry
 from .specs import PyKVLoadSpec, PyKVStoreSpec
@@ -193,7 +193,7 @@ class PyKVCacheWorker(OffloadingWorker):
         for i, (ref, slot) in enumerate(zip(refs, dst_spec.dram_slots, strict=True)):
             ext = self.n_staging + slot if slot >= 0 else -1
             flag = 0 if writes(i) else NO_DISK
-            items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext, flag))
+            items.append(Item(ref.key, ref, self.kv.payload_bytes(ref.group), ext, flag))
             if slot >= 0 and not flag:
                 wb.append(dst_spec.keys[i])
         self._jobs[job_id] = _Job(False, refs, list(dst_spec.dram_slots), self._gpu_bytes(refs))
@@ -227,7 +227,7 @@ class PyKVCacheWorker(OffloadingWorker):
             ext = self.n_staging + slot if slot >= 0 else -1
             if flag & IN_SLOT:
                 ref.check_header = True
-            items.append((ref.key, ref, self.kv.payload_bytes(ref.group), ext,
+            items.append(Item(ref.key, ref, self.kv.payload_bytes(ref.group), ext,
                           flag if slot >= 0 else 0))
         self._jobs[job_id] = _Job(True, refs, list(src_spec.dram_slots), self._gpu_bytes(refs),
                                   t0, "load_dram" if all_dram else "load_disk")
@@ -248,7 +248,7 @@ class PyKVCacheWorker(OffloadingWorker):
         self._preload_seq += 1
         rid = ("preload", self._preload_seq)
         self._preloads[rid] = keys
-        self.reactor.load(rid, [(k, None, 0) for k in keys], Priority.SPECULATIVE)
+        self.reactor.load(rid, [Item(k, None, 0) for k in keys], Priority.SPECULATIVE)
 
     def submit_flush(self, items: list[tuple[bytes, int]]) -> None:
         """Write files for DRAM-tier blocks that were stored without one (model-runner
@@ -262,7 +262,7 @@ class PyKVCacheWorker(OffloadingWorker):
         self._preload_seq += 1
         rid = ("flush", self._preload_seq)
         self._writeback[rid] = [k for k, _ in items]
-        self.reactor.store(rid, [(k, None, 0, self.n_staging + slot, FLUSH)
+        self.reactor.store(rid, [Item(k, None, 0, self.n_staging + slot, FLUSH)
                                  for k, slot in items])
 
     # ------------------------------------------------------------------ completions
