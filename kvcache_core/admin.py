@@ -29,6 +29,7 @@ from .layout import (
     FORMAT_VERSION,
     HEADER_BYTES,
     HEADER_FMT,
+    LEDGER_XATTR,
     TMP_PREFIX,
     CorruptBlock,
     LayoutIndex,
@@ -213,7 +214,12 @@ def read_ledger(base: str) -> int | None:
                 break
             except BlockingIOError:
                 time.sleep(0.01)
-        raw = os.pread(fd, 8, 0)
+        try:  # the coherent ledger of a distributed filesystem's clients (Ledger doc)
+            raw = os.getxattr(fd, LEDGER_XATTR)
+        except OSError:
+            raw = b""
+        if len(raw) != 8:
+            raw = os.pread(fd, 8, 0)
         if locked:
             fcntl.flock(fd, fcntl.LOCK_UN)
         return int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else 0

@@ -4,7 +4,8 @@ Directory structure::
 
     <root>/v<FORMAT>-<namespace digest>/          one namespace (model, dtype, geometry, rank)
         meta.json                                 the namespace, human readable
-        .usage                                    shared byte ledger (8 bytes, flock-protected)
+        .usage                                    shared byte ledger (8 bytes, flock-protected;
+                                                  on FUSE in its user.py-kvcache.ledger xattr)
         .writers/<host>.<pid>                     liveness lock of every writer process
         ab/cd/<xxh3-128 of key>                   published blocks
         ab/cd/.tmp.<host>.<pid>.<n>               files being written (never read)
@@ -24,19 +25,31 @@ Contracts:
   empty or not at all from another client, e.g. a GlusterFS distribute volume) renames the
   complete temp instead, after an existence check under the ledger lock: first writer
   wins there too (:meth:`Layout.publish`). ``"auto"`` picks rename on FUSE mounts.
-* Lookup is an existence check (``access``), no open.
+* Lookup is an existence check (``access``), no open. On a distributed filesystem it
+  answers from the client's metadata cache: a block another node published or evicted
+  less than the cache's lifetime ago (GlusterFS: ~1 s) may be reported absent or present;
+  a load of a block found present but gone is a miss (:meth:`Layout.read_block`).
 * ``max_disk_bytes`` bounds the published bytes of the namespace across all processes that
   share it (ledger in ``.usage`` under ``flock``). The bound is exact: every publish checks
   ``ledger + size <= max_disk_bytes`` under the ledger lock (link/rename + add in the same
   critical section), so the published bytes never exceed it, whatever the number of
-  processes, as long as they all use the same ``max_disk_bytes``. Temp files being
+  processes, as long as they all use the same ``max_disk_bytes``. It holds across hosts
+  too (one cluster-wide bound) on a shared filesystem whose ``flock`` is exclusive across
+  clients, provided every client reads the ledger's last write under the lock: on FUSE
+  mounts (GlusterFS) the ledger lives in an extended attribute for that (:class:`Ledger`)
+  and eviction asks the server whether a file is still there before it counts its unlink
+  (:meth:`Layout._removed_elsewhere`); tests/test_glusterfs_cluster.py. Temp files being
   written are not counted (at most the writers' in-flight writes, each one block). A
   store that cannot be made to fit is dropped and counted (``dropped_over_capacity``: a
   block larger than the bound; ``dropped_full``: no eviction candidate freed enough room
   within one bounded batch), never waited for. See "Eviction" below.
 * Temp files of crashed writers are collected when a process opens the layout: every
   writer holds an exclusive ``flock`` on ``.writers/<host>.<pid>``; an entry whose lock can
-  be taken belongs to a dead writer, whose temp files are removed.
+  be taken belongs to a dead writer, whose temp files are removed. On a shared filesystem
+  whose ``flock`` is exclusive across clients (GlusterFS) this holds across hosts: a live
+  writer of another node is never collected, a killed one is (its client releases the
+  lock when the process dies; a whole node that dies keeps its locks until the server
+  drops its connection).
 * A :class:`Layout` is used by one thread at a time for mutations (the reactor thread);
   :meth:`Layout.exists` and :meth:`Layout.path_for` may be called from any thread. With
   ``max_disk_bytes`` a Layout also runs its own daemon thread, the evictor (below), which
@@ -48,7 +61,10 @@ Eviction (global LRU with shared recency):
 * Recency is the file's mtime, shared by every process: a publish sets it, every read hit
   sets it to now (:meth:`Layout.touch`, ``utime`` without following links), whichever
   process reads. Eviction removes the files of smallest mtime first, whoever published
-  them.
+  them. Across hosts the order is as fresh as the evicting client's view of the mtimes
+  (GlusterFS with default volume options: a touch on another node shows after ~1 s, at
+  once with ``features.cache-invalidation`` on) and as the hosts' clocks agree (a touch
+  writes the reader's clock).
 * Each Layout keeps an in-memory min-heap of candidates ``(mtime, path)``, rebuilt by
   :meth:`Layout.scan`: a ``scandir`` + ``lstat`` walk of the namespace WITHOUT the ledger
   lock (publishers of other processes are never held up by it), run at construction and
@@ -74,7 +90,10 @@ Eviction (global LRU with shared recency):
   when the ledger cannot be trusted: a replaced ``.usage``, a dead writer's collection,
   or on the evictor thread when the ledger stays over the target with no candidate left
   on disk (a writer killed between link and ledger update, a rename double count).
-* Unlinking is safe for a reader that already holds the file open.
+* Unlinking is safe for a reader that already holds the file open: on a local
+  filesystem it keeps reading the unlinked inode; on a distributed filesystem whose
+  clients do not keep an inode unlinked by another client alive (GlusterFS), the read
+  fails (ESTALE / ENOENT) and is a miss, never a partial or wrong block.
 
 Trust model (docs/security.md):
 
@@ -172,6 +191,10 @@ def scan_dir(path: str, sort: bool = False) -> list[os.DirEntry]:
         with os.scandir(path) as it:
             entries = list(it)
     except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:  # removed by another client of a distributed filesystem
+        if e.errno != errno.ESTALE:
+            raise
         return []
     if sort:
         entries.sort(key=lambda e: e.name)
@@ -309,16 +332,39 @@ def make_dirs(path: str, mode: int = DEFAULT_DIR_MODE, umask: int | None = None)
             break
         p = parent
     for d in reversed(missing):
-        try:
-            os.mkdir(d, mode)
-        except FileExistsError:
-            continue  # another process made it: its creator sets its mode
-        _fix_dir_mode(d, mode, umask)
+        delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
+        while True:
+            try:
+                os.mkdir(d, mode)
+            except FileExistsError:
+                break  # another process made it: its creator sets its mode
+            except OSError as e:  # ESTALE: another client's mkdir of it is in flight
+                if e.errno != errno.ESTALE or time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+                continue
+            _fix_dir_mode(d, mode, umask)
+            break
 
 
+#: an extended attribute that is never set: reading it asks a distributed filesystem's
+#: server whether a file still exists (:meth:`Layout._removed_elsewhere`)
+_PROBE_XATTR = "user.py-kvcache.probe"
+#: longest a directory creation retries after losing a race with another client of a
+#: distributed filesystem (:func:`_private_dir`)
+MKDIR_RACE_S = 3.0
 #: errors of a file or directory creation that lost a race with another client of a
 #: distributed filesystem (stale entry of the losing client): worth a retry
 _RACE_ERRNOS = (errno.ENOENT, errno.ESTALE)
+
+
+def _close_quietly(fd: int) -> None:
+    """Close ``fd``, ignoring the error a distributed filesystem may report when the
+    file was removed by another client meanwhile (GlusterFS: ESTALE); Linux releases
+    the descriptor whatever close returns."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def _private_dir(path: str, mode: int, umask: int) -> None:
@@ -327,9 +373,12 @@ def _private_dir(path: str, mode: int, umask: int) -> None:
     (ELOOP / ENOTDIR): it is never followed.
 
     A ``mkdir`` that races another client's ``mkdir`` of the same name on a distributed
-    filesystem (GlusterFS: ESTALE, or EEXIST then ENOENT while the other one is still in
-    flight) is retried a few times before the error is raised."""
-    for attempt in range(6):
+    filesystem (GlusterFS: ESTALE, or EEXIST then ENOENT / ESTALE while the other one is
+    still in flight; the losing client's stale entry lasts up to about a second) is
+    retried, with growing pauses, for up to :data:`MKDIR_RACE_S` before the error is
+    raised."""
+    delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
+    while True:
         try:
             os.mkdir(path, mode)
             break
@@ -337,14 +386,16 @@ def _private_dir(path: str, mode: int, umask: int) -> None:
             try:
                 st = os.lstat(path)
             except OSError as e:
-                if e.errno not in _RACE_ERRNOS or attempt == 5:
+                if e.errno not in _RACE_ERRNOS or time.monotonic() + delay > deadline:
                     raise
-                time.sleep(0.01 * 2 ** attempt)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
                 continue
         except OSError as e:
-            if e.errno != errno.ESTALE or attempt == 5:
+            if e.errno != errno.ESTALE or time.monotonic() + delay > deadline:
                 raise
-            time.sleep(0.01 * 2 ** attempt)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
             continue
         if stat.S_ISDIR(st.st_mode):
             return
@@ -461,21 +512,80 @@ def _host_tag() -> str:
     return "".join(c if c.isalnum() or c == "-" else "_" for c in h)[:40]
 
 
-class Ledger:
-    """Bytes published in a namespace, shared by processes through a locked 8-byte file."""
+#: extended attribute of ``.usage`` that holds the ledger in coherent mode
+LEDGER_XATTR = "user.py-kvcache.ledger"
 
-    def __init__(self, path: str, mode: int = DEFAULT_FILE_MODE, umask: int | None = None
-                 ) -> None:
+
+class Ledger:
+    """Bytes published in a namespace, shared by processes through a locked file.
+
+    Every update is a read-modify-write under an exclusive ``flock`` of the file, so it
+    is exact among all processes whose ``flock`` is mutually exclusive AND whose reads
+    under the lock see the last write of the previous holder:
+
+    * one host (any local filesystem: one page cache), and NFS or CephFS clients, or
+      Lustre mounted with ``-o flock`` (taking a lock revalidates the client's cache):
+      the value is the file's first 8 bytes, read and written with ``pread`` /
+      ``pwrite``;
+    * FUSE clients of a distributed filesystem (GlusterFS): ``flock`` is exclusive across
+      clients, but each client reads the file's bytes through its own caches (the
+      kernel's page cache, GlusterFS's quick-read) and acknowledges writes before they
+      reach the server (write-behind): two mounts lost about half of each other's
+      updates. ``O_DIRECT | O_DSYNC`` reads and writes were exact on one-brick and
+      distribute volumes but deadlocked a ``replica 2`` volume (the synchronous write of
+      the lock holder waits for the replication lock that the waiting client keeps).
+      ``coherent=True`` (the Layout's choice on FUSE) therefore keeps the value in an
+      extended attribute of the file (:data:`LEDGER_XATTR`, 8 bytes little-endian):
+      ``fgetxattr`` of a user attribute is answered by the server (GlusterFS's metadata
+      cache keeps no user attributes unless told to in ``performance.xattr-cache-list``)
+      and ``fsetxattr`` returns once the server stored it, on every volume type; one
+      round trip each (~0.4 ms on a loopback volume). An absent attribute starts from
+      the file's bytes (a namespace used in plain mode before); :meth:`close` copies the
+      value back into them. Where the filesystem
+      refuses user attributes it falls back to the plain mode with a warning (the ledger
+      may then be inexact across clients): :attr:`coherent` says which one is in use.
+      Every client of one namespace must use the same mode (``auto`` gives every FUSE
+      client the coherent one).
+    """
+
+    def __init__(self, path: str, mode: int = DEFAULT_FILE_MODE, umask: int | None = None,
+                 coherent: bool = False) -> None:
         """Open or create the ledger at ``path`` (never through a symbolic link; a file
         created here gets exactly ``mode``). ``replaced``: a link found there was replaced
-        by a new, zeroed ledger (the owner should resync it from disk)."""
+        by a new, zeroed ledger (the owner should resync it from disk). ``coherent``:
+        keep the value in an extended attribute, for the clients of a distributed
+        filesystem (class docstring)."""
         self._fd, self.replaced = _open_private(path, os.O_RDWR | os.O_CREAT, mode,
                                                 current_umask() if umask is None else umask)
+        #: whether the value lives in :data:`LEDGER_XATTR` (exact across FUSE clients)
+        self.coherent = False
         self._lock = threading.RLock()
         self._depth = 0
-        #: the total this process last read or wrote (no syscall to look at it: the
-        #: worker reports it as the ``disk_bytes`` gauge from vLLM's engine thread)
-        self.last = self._read()
+        try:
+            if coherent:
+                self.coherent = self._probe_xattr(path)
+            #: the total this process last read or wrote (no syscall to look at it: the
+            #: worker reports it as the ``disk_bytes`` gauge from vLLM's engine thread)
+            self.last = self._read()
+        except BaseException:
+            self.close()
+            raise
+
+    def _probe_xattr(self, path: str) -> bool:
+        """Whether the filesystem keeps user extended attributes on the ledger (read
+        one; ENODATA means yes); logs a warning when it does not."""
+        try:
+            os.getxattr(self._fd, LEDGER_XATTR)
+        except OSError as e:
+            if e.errno != errno.ENODATA:
+                if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM,
+                                   errno.EACCES):
+                    raise
+                log.warning("py-kvcache: %s: no user extended attributes here (%s); the "
+                            "byte ledger is kept in the file and may be inexact across "
+                            "the clients of this filesystem", path, e.strerror or e)
+                return False
+        return True
 
     @contextlib.contextmanager
     def locked(self):
@@ -493,34 +603,62 @@ class Ledger:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _read(self) -> int:
-        raw = os.pread(self._fd, 8, 0)
+        raw = b""
+        if self.coherent:
+            try:
+                raw = os.getxattr(self._fd, LEDGER_XATTR)
+            except OSError as e:  # never set: the plain value (0 for a new ledger)
+                if e.errno != errno.ENODATA:
+                    raise
+        if len(raw) != 8:
+            raw = os.pread(self._fd, 8, 0)
         return int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else 0
+
+    def _write(self, value: int) -> None:
+        """Store ``value`` (the caller holds the lock)."""
+        raw = int(value).to_bytes(8, "little", signed=True)
+        if self.coherent:
+            os.setxattr(self._fd, LEDGER_XATTR, raw)
+        else:
+            os.pwrite(self._fd, raw, 0)
 
     def add(self, delta: int) -> int:
         """Atomically add ``delta`` (may be negative) and return the new total."""
         with self.locked():
             new = max(0, self._read() + delta)
             if delta:
-                os.pwrite(self._fd, new.to_bytes(8, "little", signed=True), 0)
+                self._write(new)
             self.last = new
             return new
 
     def set(self, value: int) -> None:
         with self.locked():
-            os.pwrite(self._fd, int(value).to_bytes(8, "little", signed=True), 0)
+            self._write(value)
             self.last = int(value)
 
     def get(self) -> int:
         return self.add(0)
 
     def peek(self) -> int:
-        """The ledger read WITHOUT the lock (one 8-byte ``pread``): a hint for the
-        evictor's decisions, never a base for an update."""
+        """The ledger read WITHOUT the lock (one 8-byte ``pread`` or ``fgetxattr``): a
+        hint for the evictor's decisions, never a base for an update."""
         self.last = self._read()
         return self.last
 
     def close(self) -> None:
-        os.close(self._fd)
+        """Close the file. A coherent ledger first copies its value into the file's first
+        8 bytes, for readers of the plain format (``kvcache inspect``, tests): the value
+        as of the last close, not kept current while processes run. Read and written
+        without the lock (the attribute is read whole; a data write of ``.usage`` under
+        the lock could deadlock GlusterFS's replication, see the class docstring);
+        errors are ignored (a dead mount)."""
+        try:
+            if self.coherent:
+                with contextlib.suppress(OSError):
+                    value = self._read()
+                    os.pwrite(self._fd, value.to_bytes(8, "little", signed=True), 0)
+        finally:
+            os.close(self._fd)
 
 
 @dataclass
@@ -696,7 +834,8 @@ class Layout(LayoutIndex):
                  dir_mode: int = DEFAULT_DIR_MODE, file_mode: int = DEFAULT_FILE_MODE,
                  allow_foreign_root: bool = False, publish_method: str = "link",
                  rescan_interval_s: float = RESCAN_INTERVAL_S,
-                 integrity_key: bytes | None = None) -> None:
+                 integrity_key: bytes | None = None,
+                 coherent_ledger: bool | None = None) -> None:
         """Open (creating what is missing) namespace ``ns`` under ``root``.
 
         ``max_disk_bytes`` > 0 bounds the namespace's published bytes (module docstring,
@@ -708,6 +847,14 @@ class Layout(LayoutIndex):
         check + rename under the ledger lock; for distributed filesystems whose hard links
         are not published atomically) or ``"auto"`` (rename when the root is on a FUSE
         filesystem, else link); the choice is in :attr:`publish_method`.
+
+        ``coherent_ledger``: keep the ``.usage`` ledger in an extended attribute that
+        the server answers, so that it stays exact across the clients of a distributed
+        filesystem whose clients cache file data (:class:`Ledger`), and check with the
+        server before counting an eviction's unlink (:meth:`_removed_elsewhere`); None
+        (default): on FUSE mounts only (GlusterFS...), where it is needed; local
+        filesystems, NFS, CephFS and Lustre (``-o flock``) keep the plain ledger
+        coherent under ``flock``.
 
         Directories created here and later (root and missing parents, namespace, shard
         directories) get exactly ``dir_mode``, files (temp and published blocks,
@@ -753,11 +900,29 @@ class Layout(LayoutIndex):
         try:
             _private_dir(self.base, self.dir_mode, umask)
             _private_dir(os.path.join(self.base, ".writers"), self.dir_mode, umask)
-            self._write_meta()
         except OSError as e:
             raise LayoutError(e.errno, f"py-kvcache root_dir '{root}': cannot initialise "
                               f"namespace directory: {e.strerror}") from e
-        self.ledger = Ledger(os.path.join(self.base, ".usage"), self.file_mode, umask)
+        if coherent_ledger is None:
+            coherent_ledger = is_fuse(self.root)
+        self.ledger = Ledger(os.path.join(self.base, ".usage"), self.file_mode, umask,
+                             coherent=coherent_ledger)
+        #: a distributed filesystem's client (coherent ledger): eviction checks with the
+        #: server that a file is still there before it counts its unlink
+        self._check_unlink = self.ledger.coherent
+        try:
+            # Under the ledger lock: processes opening the namespace at the same time never
+            # rename onto meta.json concurrently (two GlusterFS clients doing that on a
+            # distribute volume deadlocked inside DHT's rename, for good).
+            with self.ledger.locked():
+                self._write_meta()
+        except OSError as e:
+            self.ledger.close()
+            raise LayoutError(e.errno, f"py-kvcache root_dir '{root}': cannot initialise "
+                              f"namespace directory: {e.strerror}") from e
+        except BaseException:
+            self.ledger.close()
+            raise
         # One writer entry per Layout instance (several may live in one process, e.g. vLLM's
         # scheduler and worker with multiprocessing off).
         self._tag = f"{_host_tag()}.{os.getpid()}.{next(_instances)}"
@@ -1129,6 +1294,8 @@ class Layout(LayoutIndex):
                     self._skip_link(path)
                     return
                 size = st.st_size
+                if self._removed_elsewhere(path):
+                    return
                 os.unlink(path)
             except FileNotFoundError:
                 return
@@ -1137,6 +1304,29 @@ class Layout(LayoutIndex):
                 log.warning("py-kvcache: cannot remove %s: %s", path, e.strerror or e)
                 return
             self.ledger.add(-size)
+
+    def _removed_elsewhere(self, path: str) -> bool:
+        """Whether the server no longer holds ``path`` although this client's metadata
+        cache still shows it (another node removed it within the cache's lifetime).
+        Only on a distributed filesystem's client (``coherent_ledger``); False
+        elsewhere and when the answer is unknown.
+
+        Needed because a GlusterFS distribute volume answers SUCCESS to the unlink of a
+        file that another client already removed: counting that unlink would subtract
+        the file's bytes from the ledger a second time, and an undercounting ledger lets
+        the published bytes exceed ``max_disk_bytes``. Checked with one ``lgetxattr`` of
+        an attribute that is never set, which GlusterFS answers from the server (the
+        metadata cache keeps no user attributes by default): ENODATA means the file is
+        there, ENOENT / ESTALE that it is gone. The caller holds the ledger lock, under
+        which every removal of a published file happens, so a file found there is still
+        there at its own unlink."""
+        if not self._check_unlink:
+            return False
+        try:
+            os.getxattr(path, _PROBE_XATTR, follow_symlinks=False)
+        except OSError as e:
+            return e.errno in _RACE_ERRNOS
+        return False
 
     # ------------------------------------------------------------------ eviction
     def _iter_files(self):
@@ -1186,7 +1376,9 @@ class Layout(LayoutIndex):
                     continue
                 try:
                     st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
+                except OSError as err:  # removed meanwhile (ESTALE: by another client)
+                    if err.errno not in _RACE_ERRNOS:
+                        raise
                     continue
                 lru.append((st.st_mtime, e.path))
                 total += st.st_size
@@ -1251,7 +1443,9 @@ class Layout(LayoutIndex):
                 mtime, path = heapq.heappop(lru)
             try:
                 st = os.lstat(path)
-            except FileNotFoundError:  # evicted or removed by another process: cheap
+            except OSError as err:  # evicted or removed by another process: cheap
+                if err.errno not in _RACE_ERRNOS:
+                    raise
                 gone += 1
                 continue
             examined += 1
@@ -1263,11 +1457,13 @@ class Layout(LayoutIndex):
                 with lock:
                     heapq.heappush(self._lru, (st.st_mtime, path))
                 continue
+            if self._removed_elsewhere(path):  # another node evicted it: not ours to count
+                continue
             try:
                 os.unlink(path)
-            except FileNotFoundError:
-                continue
             except OSError as e:  # not ours to remove (another uid): skip it, keep going
+                if e.errno in _RACE_ERRNOS:  # removed meanwhile
+                    continue
                 self.stats.unlink_errors += 1
                 log.warning("py-kvcache: eviction cannot remove %s: %s", path,
                             e.strerror or e)
@@ -1346,11 +1542,19 @@ class Layout(LayoutIndex):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)
+                _close_quietly(fd)
                 continue  # alive
+            except OSError as e:
+                _close_quietly(fd)
+                if e.errno in _RACE_ERRNOS:
+                    # unlinked since our open (its owner closed, or another process
+                    # collected it): GlusterFS refuses a lock on a removed file
+                    continue
+                raise
             dead.append(name)
-            os.unlink(p)
-            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile: same as above
+                os.unlink(p)
+            _close_quietly(fd)
         if not dead:
             return 0
         prefixes = tuple(f"{TMP_PREFIX}{d}." for d in dead)
@@ -1374,8 +1578,9 @@ class Layout(LayoutIndex):
                 continue
             try:
                 total += e.stat(follow_symlinks=False).st_size
-            except FileNotFoundError:
-                pass
+            except OSError as err:  # removed meanwhile (ESTALE: by another client)
+                if err.errno not in _RACE_ERRNOS:
+                    raise
         # A writer killed between link and ledger update leaves the ledger low: resync.
         self.ledger.set(total)
         return removed
@@ -1442,19 +1647,31 @@ class Layout(LayoutIndex):
             return False
 
     def read_block(self, key: bytes, verify: bool = True) -> bytes | None:
-        """Synchronous load: payload bytes, or None on a miss or a corrupt file (removed)."""
+        """Synchronous load: payload bytes, or None on a miss or a corrupt file (removed).
+
+        A file evicted by a client of another node while this one opens or reads it is a
+        miss too: on GlusterFS the open or the read of a file that another client has
+        unlinked fails with ESTALE (or ENOENT), where a local filesystem keeps serving
+        the unlinked inode."""
         path = self.path_for(key)
         try:
             fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
         except FileNotFoundError:
             return None
         except OSError as e:
+            if e.errno in _RACE_ERRNOS:
+                return None
             if e.errno != errno.ELOOP:
                 raise
             self._skip_link(path)
             return None
-        with open(fd, "rb") as f:
-            data = f.read(self._file_bytes)
+        try:
+            with open(fd, "rb") as f:
+                data = f.read(self._file_bytes)
+        except OSError as e:
+            if e.errno in _RACE_ERRNOS:
+                return None
+            raise
         mv = memoryview(data)
         try:
             n = self.check_block(mv, len(data), key, verify)
@@ -1474,7 +1691,7 @@ class Layout(LayoutIndex):
                 os.unlink(self._writer_lock_path)
             except FileNotFoundError:
                 pass
-            os.close(self._writer_fd)
+            _close_quietly(self._writer_fd)  # ESTALE on GlusterFS: the file is unlinked
             self._writer_fd = -1
             self.ledger.close()
             self.close_index()

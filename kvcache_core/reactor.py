@@ -835,8 +835,8 @@ class Reactor(LoadRouting):
             self._finish(t, False)
             return
         if res < 0:
-            if res == -_errno.ENOENT:
-                self.stats.loads_miss += 1
+            if res in (-_errno.ENOENT, -_errno.ESTALE):  # ESTALE: evicted by another
+                self.stats.loads_miss += 1               # client of a network filesystem
             else:
                 self._count_error("open", res)
                 self.stats.loads_error += 1

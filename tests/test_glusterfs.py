@@ -139,19 +139,20 @@ def test_cross_mount_publish_and_read(mounts, tmp_path):
     cross = len(lags)
     max_lag = max(lags)
     assert cross == published and max_lag < MAX_LAG_S, (cross, max_lag)
-    # on disk: no temp left, one file per key, every file complete (read via mount 2).
-    # The .usage ledger is NOT compared across mounts: its 8 bytes go through each
-    # client's page cache, so two FUSE clients do not see each other's updates even
-    # under flock (cluster-wide ledger: docs/scale-out.md, not done yet); recorded only.
+    # on disk: no temp left, one file per key, every file complete (read via mount 2),
+    # and the .usage ledger, updated by both writers through their own mounts, equals the
+    # bytes on disk (the coherent ledger on FUSE: tests/test_glusterfs_cluster.py)
     lay = Layout(roots[1], NS, publish_method=method, collect=False)
     try:
         base = lay.base
         finals, temps = list_files(base)
         assert temps == [] and len(finals) == len(every)
         disk = published_bytes(base)
-        ledger = read_ledger(base)
+        assert lay.ledger.coherent
+        ledger = lay.ledger.get()
     finally:
         lay.close()
+    assert ledger == disk, (ledger, disk)
     report = {"layout": layout, "method": method, "publish_attempts": attempts,
               "published": published, "cross_mount_checked": cross,
               "max_lag_ms": round(max_lag * 1000, 1),

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from kvcache_core.admin import read_ledger
+
 from . import helpers as H
 
 A, C = H.PROMPTS["A"], H.PROMPTS["C"]
@@ -256,6 +258,54 @@ def test_two_engines_on_two_glusterfs_mounts(reference, model_dir, workdir, moun
     assert len(H.cache_files(root1)) == len(H.cache_files(root2)) == 6
     print(f"{layout}: A visible on the second mount {lag:.3f} s after the first engine "
           f"drained")
+
+
+@pytest.mark.parametrize("mounts", ["distribute"], indirect=True)
+def test_two_engines_evict_under_one_bound_on_two_glusterfs_mounts(reference, model_dir,
+                                                                   workdir, mounts):
+    """Issue 16 item 4, eviction: two engines on two mounts of one volume serve at once
+    under ONE max_disk_bytes of 4 files (the ledger of the namespace lives on the volume,
+    under a lock every mount honours). Together they store 9 different files (A, C from
+    the first; B, then A or a hit on it, from the second), so the bound must evict while
+    both publish: afterwards at most 4 files remain, the ledger equals the bytes on the
+    volume, nothing was corrupt or failed, and every output equals recompute (an evicted
+    block is a miss and is recomputed, never a wrong token)."""
+    layout, m1, m2, name = mounts
+    root1, root2 = os.path.join(m1, name), os.path.join(m2, name)
+    bound = 4 * H.FILE_BYTES
+    p1, o1 = H.run_proc({"model_dir": model_dir,
+                         "extra": H.extra_config(root1, max_disk_bytes=bound), "steps": [
+        {"op": "generate", "prompt": "A", "tag": "A"}, {"op": "drain"},
+        {"op": "generate", "prompt": "C", "tag": "C"}, {"op": "drain"}]}, wait=False,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    p2, o2 = H.run_proc({"model_dir": model_dir,
+                         "extra": H.extra_config(root2, max_disk_bytes=bound), "steps": [
+        {"op": "generate", "prompt": "B", "tag": "B"}, {"op": "drain"},
+        {"op": "generate", "prompt": "A", "tag": "A"}, {"op": "drain"}]}, wait=False,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    r1 = H.finish_proc(p1, o1, timeout=400)
+    r2 = H.finish_proc(p2, o2, timeout=400)
+    for r, tags in ((r1, "AC"), (r2, "BA")):
+        for t in tags:
+            assert H.same_output(r["results"][t], reference[t]), (t, r["stats"]["final"])
+    s1, s2 = r1["stats"]["final"], r2["stats"]["final"]
+    files = H.cache_files(root1)
+    assert len(files) <= 4, (len(files), s1, s2)
+    assert H.cache_files(root2) == {f.replace(m1, m2, 1) for f in files}
+    on_disk = sum(os.path.getsize(f) for f in files)
+    (base,) = [d for d, _, fs in os.walk(root1) if ".usage" in fs]
+    assert read_ledger(base) == on_disk  # the coherent (xattr) ledger on FUSE
+    written = s1.get("stores_written", 0) + s2.get("stores_written", 0)
+    evicted = s1.get("disk_evicted_files", 0) + s2.get("disk_evicted_files", 0)
+    # every file published across the two mounts is either still there or was evicted
+    assert written - evicted == len(files), (s1, s2)
+    assert written > 4 and evicted >= 1, (s1, s2)  # the bound really had to evict
+    for s in (s1, s2):
+        assert s.get("files_corrupt", 0) == 0 and s.get("store_errors", 0) == 0, s
+    print(f"{layout}: {written} files written, {len(files)} left under the bound of 4, "
+          f"evicted {s1.get('disk_evicted_files', 0)} + {s2.get('disk_evicted_files', 0)}, "
+          f"dropped at capacity {s1.get('stores_dropped_capacity', 0)} + "
+          f"{s2.get('stores_dropped_capacity', 0)}")
 
 
 @pytest.fixture

@@ -157,6 +157,8 @@ class GlusterSession:
         self._own_workdir = workdir is None
         self.proc: subprocess.Popen | None = None  # the glusterd this session started
         self.volumes: dict[str, tuple[str, str]] = {}
+        #: brick directories of each layout's volume (the servers' own view of the files)
+        self.bricks: dict[str, list[str]] = {}
         self._mounts: list[str] = []
         self._vols: list[str] = []
         self.timings: dict[str, float] = {}
@@ -229,6 +231,7 @@ class GlusterSession:
             args += ["replica", "2"]
         gluster(*args, *bricks, "force")
         self._vols.append(name)
+        self.bricks[layout] = [b.split(":", 1)[1] for b in bricks]
         gluster("volume", "start", name)
         mounts = []
         for i in (1, 2):
@@ -314,6 +317,7 @@ class GlusterSession:
                     problems.append(str(e).splitlines()[0])
         self._vols.clear()
         self.volumes.clear()
+        self.bricks.clear()
         if self.proc is not None:
             self.proc.terminate()
             try:

@@ -1,24 +1,42 @@
-"""Child process of tests/test_global_lru.py: real Layouts of one namespace in real processes.
+"""Child process of tests/test_global_lru.py and tests/test_glusterfs_cluster.py: real
+Layouts of one namespace in real processes.
 
 Modes (argv[1]):
 
-* ``serve ROOT BLOCK_BYTES MAX_DISK RESCAN_S``: reads one JSON command a line on stdin,
-  answers one JSON line on stdout: ``{"op": "pub", "keys": [...]}`` (write_block each;
-  answer: the keys published), ``{"op": "touch", "keys": [...]}`` (read_block each, i.e. a
-  read hit touches the file; answer: the keys hit), ``{"op": "stats"}``, ``{"op": "quit"}``.
+* ``serve ROOT BLOCK_BYTES MAX_DISK RESCAN_S [METHOD [NODE]]``: reads one JSON command a
+  line on stdin, answers one JSON line on stdout: ``{"op": "pub", "keys": [...]}``
+  (write_block each; answer: the keys published), ``{"op": "touch", "keys": [...]}``
+  (read_block each, i.e. a read hit touches the file; answer: the keys hit),
+  ``{"op": "temps", "keys": [...]}`` (a temp file of each key with its complete block
+  written, left unpublished like a store in flight; answer: the temp paths),
+  ``{"op": "publish_temps"}`` (publish them all; answer: the publish results),
+  ``{"op": "collect"}`` (:meth:`Layout.collect_dead_writers`; answer: the temp files it
+  removed), ``{"op": "info"}`` (writer tag, host name, publish method, coherent ledger),
+  ``{"op": "stats"}``, ``{"op": "quit"}``. METHOD: ``publish_method`` (default "link").
 * ``churn ROOT BLOCK_BYTES MAX_DISK WID NWORKERS NBLOCKS SEED OUT``: waits for ``ROOT/go``,
   then publishes NBLOCKS blocks ``w<WID>-<i>`` and reads random earlier blocks of any
   worker; writes to OUT the wall time of every publish and read hit (the block's last use
   is the latest of them), the errors and wrong reads, and its layout stats.
+* ``node ROOT CTL BLOCK_BYTES MAX_DISK WID NWORKERS NBLOCKS SEED OUT NODE``: ``churn`` as
+  one process of cluster node NODE (tests/test_glusterfs_cluster.py): the ready/go files
+  live in CTL (a local directory, not on the shared filesystem) and ``publish_method`` is
+  "auto".
+
+NODE (optional): the process first moves into a UTS namespace of its own whose host name
+is NODE (root only), so that its writer tag (``.writers/<host>.<pid>...``) and temp names
+carry another host, as on a real cluster node.
 
 Content is derived from the key only (any process can verify any block it reads).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import random
+import socket
 import sys
 import time
 import traceback
@@ -28,7 +46,19 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from kvcache_core.layout import Layout, Namespace  # noqa: E402
+from kvcache_core.layout import HEADER_BYTES, Layout, Namespace  # noqa: E402
+
+CLONE_NEWUTS = 0x04000000
+
+
+def become_node(name: str) -> None:
+    """Give this process a host name of its own (``unshare(CLONE_NEWUTS)`` then
+    ``sethostname``: root only). Raises OSError when the kernel refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWUTS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWUTS): {os.strerror(err)}")
+    socket.sethostname(name)
 
 
 def make_ns(block_bytes: int) -> Namespace:
@@ -41,9 +71,27 @@ def content(key: bytes, n: int) -> bytes:
     return (key * reps)[:n]
 
 
-def serve(root: str, block_bytes: int, max_disk: int, rescan_s: float) -> None:
+def write_temp(lay: Layout, key: bytes, block_bytes: int) -> tuple[str, str, int]:
+    """A temp file of ``key`` holding its complete block, not published (a store whose
+    write finished but whose publish has not run yet). Returns (temp, final, bytes)."""
+    buf = bytearray(lay.ns.file_bytes)
+    mv = memoryview(buf)
+    mv[HEADER_BYTES: HEADER_BYTES + block_bytes] = content(key, block_bytes)
+    n = lay.fill_header(mv, key, block_bytes)
+    fd, tmp, final = lay.create_temp(key)
+    try:
+        if os.write(fd, mv[:n]) != n:
+            raise OSError(errno.ENOSPC, "short write")
+    finally:
+        os.close(fd)
+    return tmp, final, n
+
+
+def serve(root: str, block_bytes: int, max_disk: int, rescan_s: float,
+          method: str = "link") -> None:
     lay = Layout(root, make_ns(block_bytes), max_disk_bytes=max_disk,
-                 rescan_interval_s=rescan_s)
+                 rescan_interval_s=rescan_s, publish_method=method)
+    temps: list[tuple[str, str, int]] = []
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -60,6 +108,19 @@ def serve(root: str, block_bytes: int, max_disk: int, rescan_s: float) -> None:
                 if got is not None:
                     assert got == content(k.encode(), block_bytes), k
                     res.append(k)
+        elif op == "temps":
+            made = [write_temp(lay, k.encode(), block_bytes) for k in cmd["keys"]]
+            temps += made
+            res = [t[0] for t in made]
+        elif op == "publish_temps":
+            res = [lay.publish(*t) for t in temps]
+            temps = []
+        elif op == "collect":
+            res = lay.collect_dead_writers()
+        elif op == "info":
+            res = {"tag": lay._tag, "host": socket.gethostname(), "pid": os.getpid(),
+                   "method": lay.publish_method, "base": lay.base,
+                   "coherent": getattr(lay.ledger, "coherent", False)}
         elif op == "stats":
             res = dict(lay.stats.__dict__)
         elif op == "quit":
@@ -74,14 +135,19 @@ def serve(root: str, block_bytes: int, max_disk: int, rescan_s: float) -> None:
 
 
 def churn(root: str, block_bytes: int, max_disk: int, wid: int, nworkers: int,
-          nblocks: int, seed: int, out_path: str) -> None:
+          nblocks: int, seed: int, out_path: str, ctl: str | None = None,
+          method: str = "link") -> None:
+    """Publish NBLOCKS blocks and read random recent ones of any worker (module doc).
+    ``ctl``: the directory of the ready/go files (default: ROOT)."""
     rng = random.Random(seed)
     ns = make_ns(block_bytes)
-    lay = Layout(root, ns, max_disk_bytes=max_disk)
-    open(os.path.join(root, f"ready-{wid}"), "w").close()
-    go = os.path.join(root, "go")
+    ctl = ctl or root
+    lay = Layout(root, ns, max_disk_bytes=max_disk, publish_method=method)
+    open(os.path.join(ctl, f"ready-{wid}"), "w").close()
+    go = os.path.join(ctl, "go")
     while not os.path.exists(go):
         time.sleep(0.01)
+    t_start = time.time()
     pubs: list[tuple[str, float]] = []
     hits: list[tuple[str, float]] = []
     errors: list[str] = []
@@ -101,19 +167,29 @@ def churn(root: str, block_bytes: int, max_disk: int, wid: int, nworkers: int,
                         wrong += 1
         except Exception:
             errors.append(traceback.format_exc())
+    t_end = time.time()
+    info = {"tag": lay._tag, "host": socket.gethostname(), "method": lay.publish_method,
+            "coherent": getattr(lay.ledger, "coherent", False)}
     lay.close()  # joins the evictor thread: its background evictions are counted too
     stats = dict(lay.stats.__dict__)
     with open(out_path, "w") as f:
         json.dump({"pubs": pubs, "hits": hits, "errors": errors, "wrong": wrong,
-                   "stats": stats}, f)
+                   "stats": stats, "info": info, "start": t_start, "end": t_end}, f)
 
 
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "serve":
-        serve(args[0], int(args[1]), int(args[2]), float(args[3]))
+        if len(args) > 5:
+            become_node(args[5])
+        serve(args[0], int(args[1]), int(args[2]), float(args[3]),
+              args[4] if len(args) > 4 else "link")
     elif mode == "churn":
         churn(args[0], int(args[1]), int(args[2]), int(args[3]), int(args[4]), int(args[5]),
               int(args[6]), args[7])
+    elif mode == "node":
+        become_node(args[9])
+        churn(args[0], int(args[2]), int(args[3]), int(args[4]), int(args[5]), int(args[6]),
+              int(args[7]), args[8], ctl=args[1], method="auto")
     else:
         raise SystemExit(f"unknown mode {mode}")
