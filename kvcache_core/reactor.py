@@ -868,8 +868,11 @@ class Reactor(LoadRouting):
         if t is self._spec_active:
             self._spec_active = None
         if res < 0:
-            self._count_error("read", res)
-            self.stats.loads_error += 1
+            if res == -_errno.ESTALE:  # evicted by another client of a network filesystem
+                self.stats.loads_miss += 1
+            else:
+                self._count_error("read", res)
+                self.stats.loads_error += 1
             self._drop_slot(t)
             self._finish(t, False)
             return
