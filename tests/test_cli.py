@@ -44,10 +44,13 @@ def test_bench_storage_refuses_a_missing_parent_and_cleans_up_when_interrupted(t
     assert p.returncode == 2 and "parent directory does not exist" in p.stderr
     assert not (tmp_path / "no").exists()  # nothing created
     root = tmp_path / "bench"
+    # SIGINT back to its default in the child: a CI job started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and Python then never sees a Ctrl-C
     proc = subprocess.Popen([sys.executable, "-m", "kvcache_core.cli", "bench", "storage",
                              "--quick", "--no-metadata", "--create", "--root", str(root)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=REPO))
+                            env=dict(os.environ, PYTHONPATH=REPO),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     def writing() -> bool:  # the benchmark has files in its scratch directory
         try:
             return any(any(True for _ in os.scandir(d.path))
