@@ -21,7 +21,7 @@ import time
 
 import pytest
 from helpers.kvutil import list_files, published_bytes, read_ledger
-from helpers.lru_worker import content, make_ns
+from helpers.lru_worker import ServeProc, content, make_ns
 
 from kvcache_core.layout import HOT_RESCAN_MIN_GAP_S, MIN_RESCAN_GAP_S, Layout
 
@@ -34,31 +34,9 @@ FB = NS.file_bytes
 ENV = dict(os.environ, PYTHONPATH=REPO)
 
 
-class Proc:
+def Proc(root: str, max_disk: int, rescan_s: float) -> ServeProc:
     """A ``lru_worker.py serve`` child: one Layout, driven line by line."""
-
-    def __init__(self, root: str, max_disk: int, rescan_s: float) -> None:
-        self.p = subprocess.Popen([sys.executable, WORKER, "serve", root, str(BB),
-                                   str(max_disk), str(rescan_s)], env=ENV, text=True,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert json.loads(self.p.stdout.readline()) == {"ready": True}
-
-    def cmd(self, op: str, keys: list[str] | None = None):
-        self.p.stdin.write(json.dumps({"op": op, "keys": keys or []}) + "\n")
-        self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        assert line, f"worker died (rc {self.p.poll()})"
-        return json.loads(line)["res"]
-
-    def quit(self) -> None:
-        if self.p.poll() is None:
-            self.cmd("quit")
-            assert self.p.wait(timeout=30) == 0
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait()
+    return ServeProc(root, BB, max_disk, rescan_s)
 
 
 def test_globally_oldest_files_go_first_whoever_published_them(tmp_path):

@@ -44,7 +44,7 @@ from typing import TypeVar
 
 import pytest
 from helpers.kvutil import REPO, list_files
-from helpers.lru_worker import content, make_ns
+from helpers.lru_worker import ServeProc, content, make_ns
 
 from kvcache_core.layout import LEDGER_XATTR, TMP_PREFIX, Layout, Ledger
 
@@ -409,32 +409,9 @@ def test_max_disk_bytes_is_a_cluster_wide_bound(mounts, gluster, tmp_path):
 
 
 # ---------------------------------------------------------------- global LRU order
-class Node:
+def Node(root: str, node: str, max_disk: int, rescan_s: float = 0.05) -> ServeProc:
     """A ``lru_worker.py serve`` child on one mount, under its own host name."""
-
-    def __init__(self, root: str, node: str, max_disk: int, rescan_s: float = 0.05) -> None:
-        self.p = subprocess.Popen([sys.executable, WORKER, "serve", root, str(BB),
-                                   str(max_disk), str(rescan_s), "auto", node], env=ENV,
-                                  text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        line = self.p.stdout.readline()
-        assert line and json.loads(line) == {"ready": True}, (line, self.p.poll())
-
-    def cmd(self, op: str, keys: list[str] | None = None):
-        self.p.stdin.write(json.dumps({"op": op, "keys": keys or []}) + "\n")
-        self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        assert line, f"worker died (rc {self.p.poll()})"
-        return json.loads(line)["res"]
-
-    def quit(self) -> None:
-        if self.p.poll() is None:
-            self.cmd("quit")
-            assert self.p.wait(timeout=30) == 0
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait()
+    return ServeProc(root, BB, max_disk, rescan_s, "auto", node)
 
 
 @pytest.mark.timeout(180)

@@ -36,21 +36,6 @@ def test_the_installed_vllm_carries_the_series():
     assert all(s.state == "applied" for s in check_series(_vllm_root()))
 
 
-def _gen_many(llm, prompts, priority=None):
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=H.MAX_TOKENS, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
-                        priority=priority)
-    res = []
-    for o in outs:
-        out = o.outputs[0]
-        res.append({"tokens": list(out.token_ids),
-                    "logprobs": [float(d[t].logprob) for t, d in
-                                 zip(out.token_ids, out.logprobs, strict=True)]})
-    return res
-
-
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_hook_gets_the_waiting_requests_in_scheduling_order(model_dir, workdir, policy):
     root = os.path.join(workdir, f"root_hook_{policy}")
@@ -69,7 +54,7 @@ def test_hook_gets_the_waiting_requests_in_scheduling_order(model_dir, workdir, 
         conn.on_preload_candidates = record
         prompts = [H.PROMPTS["A"], H.PROMPTS["B"], H.PROMPTS["C"], H.PROMPTS["A"][:600]]
         prio = [0, 3, 1, 2] if policy == "priority" else None
-        _gen_many(llm, prompts, priority=prio)
+        H.generate_many(llm, prompts, priority=prio)
     finally:
         H.shutdown(llm)
     assert seen, "the patched scheduler never called on_preload_candidates"
@@ -107,7 +92,7 @@ def _queued_rerun(model_dir, root, reference, **extra):
                      max_model_len=GPU_BLOCKS * 128)
     try:
         conn = H.scheduler_connector(llm)
-        outs = _gen_many(llm, [H.PROMPTS[n] for n in names])
+        outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
         H.drain(llm)
         s = H.manager(llm).stats()
     finally:
@@ -145,7 +130,7 @@ def test_scbench_like_pressure_bounded_reads_and_staging(model_dir, workdir, tmp
         try:
             outs = []
             for r in range(3):
-                outs += _gen_many(llm, [turn(c, r) for c in contexts])
+                outs += H.generate_many(llm, [turn(c, r) for c in contexts])
                 H.drain(llm)
             s = H.manager(llm).stats()
         finally:

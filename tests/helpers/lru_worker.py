@@ -61,6 +61,40 @@ def become_node(name: str) -> None:
     socket.sethostname(name)
 
 
+class ServeProc:
+    """A ``lru_worker.py serve`` child (one Layout) driven line by line by a test:
+    ``extra`` = the optional ``serve`` arguments (publish method, host name)."""
+
+    def __init__(self, root: str, block_bytes: int, max_disk: int, rescan_s: float,
+                 *extra: str) -> None:
+        import subprocess
+
+        self.p = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "serve", root, str(block_bytes),
+             str(max_disk), str(rescan_s), *extra],
+            env=dict(os.environ, PYTHONPATH=REPO), text=True, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE)
+        line = self.p.stdout.readline()
+        assert line and json.loads(line) == {"ready": True}, (line, self.p.poll())
+
+    def cmd(self, op: str, keys: list[str] | None = None):
+        self.p.stdin.write(json.dumps({"op": op, "keys": keys or []}) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line, f"worker died (rc {self.p.poll()})"
+        return json.loads(line)["res"]
+
+    def quit(self) -> None:
+        if self.p.poll() is None:
+            self.cmd("quit")
+            assert self.p.wait(timeout=30) == 0
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
 def make_ns(block_bytes: int) -> Namespace:
     return Namespace(model="lru/model", dtype="bfloat16", block_size=16, block_bytes=block_bytes)
 
