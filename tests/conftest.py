@@ -44,6 +44,15 @@ def engine(request) -> str:
     return request.param
 
 
+@pytest.fixture(scope="session")
+def vllm_available() -> None:
+    """Skip where vLLM cannot be imported (tests/vllm and tests/e2e need it)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"vLLM not importable: {e}")
+
+
 @pytest.fixture
 def ns() -> Namespace:
     return Namespace(model="test/model", dtype="bfloat16", block_size=16, block_bytes=BLOCK)

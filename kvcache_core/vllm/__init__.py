@@ -31,15 +31,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .connector import OffloadingConnector, PyKVCacheWorkerMetadata
+    from .connector import OffloadingConnector
     from .manager import PyKVCacheManager
+    from .metadata import PyKVCacheWorkerMetadata
     from .spec import PyKVCacheSpec
     from .worker import PyKVCacheWorker
 
 _LAZY = {
     "PyKVCacheSpec": ".spec",
     "OffloadingConnector": ".connector",
-    "PyKVCacheWorkerMetadata": ".connector",
+    "PyKVCacheWorkerMetadata": ".metadata",
     "PyKVCacheManager": ".manager",
     "PyKVCacheWorker": ".worker",
 }

@@ -41,7 +41,7 @@ Replacement: a block read from disk into the tier (promotion) counts as a reuse 
 not, so a burst of new, never-read stores evicts other stores first.
 
 Failed loads (a missing or corrupt file, an invalid DRAM slot) are reported by the
-workers through :class:`~kvcache_core.vllm.connector.PyKVCacheWorkerMetadata` and
+workers through :class:`~kvcache_core.vllm.metadata.PyKVCacheWorkerMetadata` and
 arrive in :meth:`on_worker_report` BEFORE the job's :meth:`complete_load`, so a promotion
 that failed is never retained.
 """
@@ -74,7 +74,7 @@ from ..flags import IN_SLOT
 from ..layout import LayoutIndex, Namespace
 from ..staging import SlotAllocator
 from . import compat
-from .specs import PyKVLoadSpec, PyKVStoreSpec
+from .job_specs import PyKVLoadSpec, PyKVStoreSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (

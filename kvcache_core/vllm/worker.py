@@ -65,8 +65,8 @@ from ..flags import FLUSH, IN_SLOT, NO_DISK
 from ..layout import Layout, Namespace
 from ..reactor import Completion, Item, Reactor
 from ..staging import Priority
+from .job_specs import PyKVLoadSpec, PyKVStoreSpec
 from .options import PoolGeometry
-from .specs import PyKVLoadSpec, PyKVStoreSpec
 from .transfer import ChunkRef, KVCopier, KVGeometry
 
 log = logging.getLogger("vllm.pykvcache")

@@ -27,14 +27,6 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def vllm_available() -> None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # pragma: no cover
-        pytest.skip(f"vLLM not importable: {e}")
-
-
-@pytest.fixture(scope="session")
 def workdir():
     d = tempfile.mkdtemp(prefix="pykv_e2e_")
     yield d

@@ -175,13 +175,19 @@ def manager(llm):
     return scheduler_connector(llm).connector_scheduler.manager
 
 
+def _our_worker(conn) -> Any:
+    """The PyKVCacheWorker of a worker-role py-kvcache connector (None before vLLM
+    registered the KV caches)."""
+    return conn._work.worker if conn._work is not None else None
+
+
 def _settle_worker(worker) -> Any:
     """Runs in every worker process (``collective_rpc``): wait until the reactor has no
     I/O in flight (store jobs are acknowledged once copied; their files follow), then
     hand over the worker's report as the next engine step would."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    w = get_kv_transfer_group()._our_worker()
+    w = _our_worker(get_kv_transfer_group())
     if w is None:
         return None
     if not w.reactor.wait(60):
@@ -194,7 +200,7 @@ def _kill_reactor(worker) -> bool:
     the reactor thread (an injected bug)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    w = get_kv_transfer_group()._our_worker()
+    w = _our_worker(get_kv_transfer_group())
     if w is None:
         return False
 

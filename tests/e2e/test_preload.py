@@ -195,7 +195,7 @@ def test_queue_aware_preload_loads_only_what_is_staged(model_dir, workdir, refer
     s, conn = _queued_rerun(model_dir, os.path.join(workdir, f"root_queue_{recompute_s}"),
                             reference, queue_aware_preload=True,
                             breakeven_table=_queue_table(tmp_path, model_dir, recompute_s))
-    assert conn.queue_model is not None
+    assert conn._sched.queue_model is not None
     assert s["gate_accepted_disk"] == 0 and s["load_failures"] == 0, s
     if recompute_s > 1:
         assert s["preloads_staged"] == 6 and s["hits_staged"] >= 6, s

@@ -163,3 +163,27 @@ def test_preload_planning_honours_tier_filter_and_load_cap(tmp_path):
     planned = m.plan_preloads(reqs, [g], 64, admit)
     assert asked == [("1", 4), ("2", 0), ("3", 2), ("4", 4)]
     assert len(planned) == 10
+
+
+def test_connector_metadata_subclasses_vllm_032s():
+    """The scheduler -> worker metadata (kvcache_core.vllm.metadata) on vLLM 0.32's
+    ``OffloadingConnectorMetadata``: every vLLM field copied, preloads and flushes added,
+    picklable (multiprocess mode)."""
+    import dataclasses
+    import pickle
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+
+    from kvcache_core.vllm.metadata import PyKVCacheConnectorMetadata
+
+    base = OffloadingConnectorMetadata(load_jobs={1: TransferJob("r", None, None)},
+                                       store_jobs={}, jobs_to_flush={3})
+    m = pickle.loads(pickle.dumps(PyKVCacheConnectorMetadata.extend(base, [key(1)],
+                                                                    [(key(2), 5)])))
+    for f in dataclasses.fields(OffloadingConnectorMetadata):
+        assert getattr(m, f.name).__class__ is getattr(base, f.name).__class__, f.name
+    assert m.load_jobs.keys() == {1} and m.jobs_to_flush == {3}
+    assert m.preload == [key(1)] and m.flush == [(key(2), 5)] and not m.preloads_started

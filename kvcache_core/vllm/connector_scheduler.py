@@ -1,0 +1,340 @@
+"""The scheduler role of :class:`~kvcache_core.vllm.connector.OffloadingConnector`:
+:class:`SchedulerSide`.
+
+Lives in vLLM's engine-core process, next to vLLM's ``OffloadingConnectorScheduler``
+and our :class:`~kvcache_core.vllm.manager.PyKVCacheManager` (its ``manager``). Every
+method is called by the scheduler thread (EngineCore's busy loop), through the
+connector's hooks, one call at a time: nothing here takes a lock. It owns:
+
+* the break-even gate (R9, :class:`~kvcache_core.breakeven.Gate`): prefixes whose
+  source tier does not beat recompute are refused at lookup, and each request's
+  decision is counted once it is scheduled;
+* preload planning (R8, patched vLLM): the plan of the waiting requests' disk blocks,
+  optionally queue-aware (:class:`~kvcache_core.breakeven.QueueModel`), sent to the
+  workers in the next metadata (:class:`~kvcache_core.vllm.metadata.PyKVCacheConnectorMetadata`)
+  with the manager's deferred write-backs;
+* ``disk_min_prefix_tokens``: requests marked short in the manager (no files) from
+  their lookup until the metadata that carries their last store job;
+* the workers' reports (:class:`~kvcache_core.vllm.metadata.PyKVCacheWorkerMetadata`):
+  failed loads rewind their requests' store cursors (self-healing), then everything goes
+  to the manager.
+
+It imports nothing of the worker side (reactor, KV copier, io_uring, worker):
+``tests/test_layering.py`` checks it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+)
+
+from ..breakeven import Gate, QueueModel, load_table
+from .manager import PyKVCacheManager
+from .metadata import PyKVCacheConnectorMetadata, PyKVCacheWorkerMetadata
+from .options import VllmOptions
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        GroupOffloadConfig,
+        OffloadingConnectorScheduler,
+    )
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.pykvcache")
+
+
+def load_gate(path: str, vllm_config: VllmConfig) -> Gate | None:
+    """The break-even gate for ``path``; None (and ONE warning) if the file is missing or
+    belongs to another model: then nothing is gated. A malformed table is a ConfigError."""
+    if not os.path.exists(path):
+        log.warning("py-kvcache: breakeven_table %s does not exist: loading every hit "
+                    "(run `kvcache calibrate`)", path)
+        return None
+    table = load_table(path)
+    model = os.path.basename(os.path.normpath(str(vllm_config.model_config.model)))
+    if table.model and table.model not in (model, str(vllm_config.model_config.model)):
+        log.warning("py-kvcache: breakeven_table %s was calibrated for model %r, this "
+                    "engine serves %r: not gating (calibrate this model)", path,
+                    table.model, model)
+        return None
+    log.info("py-kvcache: break-even gate from %s: min prefix tokens %s", path,
+             table.thresholds)
+    return Gate(table)
+
+
+def _queue_model(gate: Gate, path: str) -> QueueModel | None:
+    """The queue model of the gate's table, or None (one warning) if the table lacks the
+    recompute times or the disk bandwidth it needs."""
+    try:
+        return QueueModel(gate.table)
+    except ValueError as e:
+        log.warning("py-kvcache: queue_aware_preload is off: %s (%s); run `kvcache "
+                    "calibrate`", e, path)
+        return None
+
+
+class _QueueAdmission:
+    """One scheduler step's queue-aware preload decision (``admit`` of
+    :meth:`PyKVCacheManager.plan_preloads`), over the waiting requests in scheduling order.
+
+    A request whose disk prefix the gate would load on demand is always preloaded (as
+    without the gate). Otherwise it is preloaded only if the requests ahead of it in this
+    window, plus what the scheduled requests still have to prefill (``running_s``), take at
+    least as long to compute (``QueueModel.recompute_s``) as the reads
+    queued up to and including its own (``QueueModel.read_s``): then its blocks are likely
+    staged when it is scheduled, and the gate takes them as ``staged``.
+    """
+
+    def __init__(self, gate: Gate, model: QueueModel, key_bytes: int, tokens_per_chunk: int,
+                 running_s: float = 0.0) -> None:
+        self.gate, self.model = gate, model
+        self.key_bytes, self.tpc = key_bytes, tokens_per_chunk
+        self.ahead_s = running_s
+        self.queued = 0
+
+    def __call__(self, req: Request, n_keys: int) -> bool:
+        ahead = self.ahead_s
+        self.ahead_s += self.model.recompute_s(max(0, req.num_tokens - req.num_computed_tokens))
+        if n_keys == 0:
+            return True
+        if self.gate.passes("disk", n_keys * self.tpc):
+            self.queued += n_keys * self.key_bytes
+            return True
+        need = self.queued + n_keys * self.key_bytes
+        if not self.model.worth(ahead, need):
+            return False
+        self.queued = need
+        return True
+
+
+class SchedulerSide:
+    """The connector's scheduler-role state and logic (engine-core process, scheduler
+    thread only; see the module doc).
+
+    Built once by the connector, after vLLM's ``OffloadingConnectorScheduler`` (``cs``,
+    whose manager vLLM got from our spec) from the validated options. Owns the gate, the
+    queue model, the preload plan, the gate decisions and prefilling requests of the
+    queue-aware estimate, and the short requests finished since the last metadata; it
+    shares ``manager`` with ``cs`` (vLLM calls the manager too, on the same thread).
+    """
+
+    def __init__(self, cs: OffloadingConnectorScheduler, opts: VllmOptions,
+                 vllm_config: VllmConfig) -> None:
+        manager = cs.manager
+        # the connector refuses any spec but ours (prepare_vllm_config), so vLLM's
+        # scheduler always got its manager from PyKVCacheSpec.get_manager
+        assert isinstance(manager, PyKVCacheManager), type(manager)
+        self._cs = cs
+        self.manager: PyKVCacheManager = manager
+        #: vLLM's per-KV-group offload geometry (fixed for the engine's lifetime)
+        self.group_configs: tuple[GroupOffloadConfig, ...] = cs.config.kv_group_configs
+        #: k of the patched scheduler's ``on_preload_candidates`` (read every step
+        #: through the connector's ``preload_lookahead``); 0 disables preload
+        self.preload_lookahead: int = opts.preload_lookahead
+        self._preload_max: int = opts.preload_max_blocks
+        #: keys planned since the last metadata (sent with it, then a new list)
+        self._preload_plan: list[bytes] = []
+        self.gate: Gate | None = None
+        #: queue-aware preload (breakeven.QueueModel), None when off
+        self.queue_model: QueueModel | None = None
+        #: queue-aware preload: scheduled requests still in prefill (req id -> request)
+        self._prefilling: dict[str, Request] = {}
+        #: the gate's last decision per waiting request, counted once it is scheduled
+        self._gate_decisions: dict[str, tuple[tuple[str, bool], ...]] = {}
+        #: requests shorter than this write no files (``disk_min_prefix_tokens``)
+        self.disk_min_prefix_tokens = 0
+        #: short requests finished since the last metadata build (their last store job is
+        #: built in the next one, still without files)
+        self._short_finished: list[str] = []
+        if opts.breakeven_table:
+            self._init_gate(opts, opts.breakeven_table, vllm_config)
+        dm = opts.disk_min_prefix_tokens
+        if dm == "auto":
+            dm = 0
+            if self.gate is not None and not self.gate.never("disk"):
+                dm = self.gate.table.thresholds.get("disk") or 0
+        self.disk_min_prefix_tokens = int(dm)
+        if self.disk_min_prefix_tokens:
+            log.info("py-kvcache: requests with prompts shorter than %d tokens keep their "
+                     "KV in the DRAM tier only (no files)", self.disk_min_prefix_tokens)
+
+    def _init_gate(self, opts: VllmOptions, path: str, vllm_config: VllmConfig) -> None:
+        gate = self.gate = load_gate(path, vllm_config)
+        if gate is None:
+            return
+        self.manager.extra_counters = gate.counters  # reported with the stats
+        if opts.queue_aware_preload and self.preload_lookahead == 0:
+            log.warning("py-kvcache: queue_aware_preload needs preload_lookahead > 0 "
+                        "(it decides which waiting requests to preload): off")
+        elif opts.queue_aware_preload:
+            self.queue_model = _queue_model(gate, path)
+        if self.queue_model is not None:
+            log.info("py-kvcache: queue-aware preload on: disk prefixes the gate "
+                     "refuses on demand are preloaded when the queue leaves time")
+        elif gate.never("disk"):
+            # Disk loads are always refused on this node: writing files would only
+            # slow the requests that store (and preloading them is wasted I/O).
+            self.manager.disk_stores = False
+            self.preload_lookahead = 0
+            log.info("py-kvcache: the break-even table says disk loads never beat "
+                     "recompute here: disk writes and preloads are off, the DRAM "
+                     "tier (if any) still stores and serves")
+
+    # ------------------------------------------------------------------ lookup + gate
+    def begin_lookup(self, request: Request) -> bool:
+        """Before vLLM's lookup of ``request`` (per waiting request per step): a request
+        shorter than ``disk_min_prefix_tokens`` is marked short in the manager (its stores
+        write no files). Returns whether the break-even gate judges this lookup (then
+        the manager starts collecting its source tiers)."""
+        if (self.disk_min_prefix_tokens
+                and request.num_prompt_tokens < self.disk_min_prefix_tokens):
+            self.manager.short_requests.add(request.request_id)
+        if self.gate is None:
+            return False
+        self.manager.begin_lookup()
+        return True
+
+    def gate_lookup(self, request: Request, num_computed_tokens: int,
+                    found: tuple[int | None, bool]) -> tuple[int | None, bool]:
+        """The break-even gate (R9) on vLLM's lookup result ``found`` (after
+        :meth:`begin_lookup` returned True): a reusable prefix shorter than its source
+        tier's threshold is refused (0 tokens) and vLLM recomputes it, except for its
+        leading chunks in the DRAM tier or staged by a preload when those alone pass."""
+        n = found[0]
+        gate = self.gate
+        if not n or gate is None:
+            return found
+        manager, rid = self.manager, request.request_id
+        tier = manager.lookup_tier()
+        if gate.passes(tier, num_computed_tokens + n):
+            self._gate_decisions[rid] = ((tier, True),)
+            return found
+        # Refused because part of the prefix must come from disk: the leading chunks that
+        # are in the DRAM tier or staged by a preload may still be worth loading alone.
+        fast, fast_tier = manager.lookup_fast_chunks()
+        groups = self.group_configs
+        if fast and len(groups) == 1:
+            tpc = groups[0].tokens_per_chunk
+            m = tpc * (num_computed_tokens // tpc + fast) - num_computed_tokens
+            if 0 < m < n and gate.passes(fast_tier, num_computed_tokens + m):
+                self._gate_decisions[rid] = ((tier, False), (fast_tier, True))
+                return m, True
+        self._gate_decisions[rid] = ((tier, False),)
+        return 0, False
+
+    # ------------------------------------------------------------------ preload (R8)
+    def on_preload_candidates(self, requests: list[Request]) -> None:
+        """Once per step (patched vLLM), before the metadata is built: plan preloads for
+        the first ``preload_lookahead`` waiting ``requests`` (scheduling order)."""
+        admit = None
+        if self.queue_model is not None:
+            assert self.gate is not None  # the queue model is the gate's table's
+            admit = _QueueAdmission(self.gate, self.queue_model, self.manager.key_bytes,
+                                    self.group_configs[0].tokens_per_chunk,
+                                    self._prefill_left_s())
+        self._preload_plan += self.manager.plan_preloads(requests, self.group_configs,
+                                                         self._preload_max, admit)
+
+    def _prefill_left_s(self) -> float:
+        """Expected compute time left of the scheduled requests still in prefill (the
+        queue-aware estimate of how long the head of the queue still waits)."""
+        m, left, done = self.queue_model, 0.0, []
+        assert m is not None
+        for rid, r in self._prefilling.items():
+            n, c = r.num_prompt_tokens, r.num_computed_tokens
+            if c >= n:
+                done.append(rid)
+                continue
+            left += m.recompute_s(n) - m.recompute_s(c)
+        for rid in done:
+            del self._prefilling[rid]
+        return left
+
+    # ------------------------------------------------------------------ request life
+    def after_alloc(self, request: Request) -> None:
+        """``request`` was scheduled (``update_state_after_alloc``): its gate decision
+        is counted, and it joins the prefilling requests of the queue-aware estimate."""
+        if self.queue_model is not None:
+            self._prefilling[request.request_id] = request
+        if self._gate_decisions:
+            decisions = self._gate_decisions.pop(request.request_id, ())
+            if decisions:
+                assert self.gate is not None
+                for tier, ok in decisions:
+                    self.gate.count(tier, ok)
+
+    def forget(self, request: Request) -> None:
+        """``request`` finished (``request_finished*``): drop its state; a short one
+        stays marked until the next metadata carries its last store job."""
+        self._prefilling.pop(request.request_id, None)
+        self._gate_decisions.pop(request.request_id, None)
+        if self.disk_min_prefix_tokens:
+            self._short_finished.append(request.request_id)
+
+    # ------------------------------------------------------------------ per-step metadata
+    def build_connector_meta(self, meta: KVConnectorMetadata) -> KVConnectorMetadata:
+        """This step's metadata from vLLM's ``meta`` (built just before, with the final
+        store jobs of the requests finished since the last step): vLLM's own object when
+        there is nothing to add, else a :class:`PyKVCacheConnectorMetadata` with the
+        preload plan and the manager's deferred write-backs. Every step's metadata reaches
+        the workers' ``start_load_kv`` (with or without a forward), so the slots pinned for
+        the write-backs are always released."""
+        if self._short_finished:  # their final store jobs were built just now
+            short = self.manager.short_requests
+            for rid in self._short_finished:
+                short.discard(rid)
+            self._short_finished.clear()
+        flush = self.manager.take_flush_plan()
+        if not (self._preload_plan or flush):
+            return meta
+        assert isinstance(meta, OffloadingConnectorMetadata), type(meta)
+        plan, self._preload_plan = self._preload_plan, []
+        return PyKVCacheConnectorMetadata.extend(meta, plan, flush)
+
+    # ------------------------------------------------------------------ worker reports
+    def on_worker_meta(self, meta: KVConnectorWorkerMetadata | None) -> None:
+        """The workers' aggregated report of a step (``update_connector_output``, before
+        vLLM processes the same step's job completions): failed loads rewind their
+        requests' store cursors, then failures, counters, staged and written keys and
+        job latencies go to the manager."""
+        if not isinstance(meta, PyKVCacheWorkerMetadata):
+            return
+        if meta.failed_keys:
+            self._restore_failed(meta.failed_keys)
+        self.manager.on_worker_report(meta.failed_keys, meta.counters, meta.staged,
+                                      meta.written, meta.observations)
+
+    def _restore_failed(self, failed_keys: Collection[bytes]) -> None:
+        """Self-healing (issue 12 item 4): a chunk whose load failed is recomputed by its
+        request (vLLM resets the request's computed tokens to that chunk in this same
+        ``update_from_output``, before this hook); rewind the request's store cursor to
+        the first failed chunk so that vLLM's store-job builder stores the recomputed
+        chunks (keys still cached are skipped by ``prepare_store``). Without it vLLM
+        treats loaded chunks as already offloaded and the next request recomputes too.
+
+        Reads vLLM's per-request offload state (``_req_status``: ``group_states`` with
+        ``offload_keys`` and ``next_stored_chunk_idx``), the same in 0.26 and 0.32."""
+        req_status = self._cs._req_status
+        manager = self.manager
+        for rid, keys in manager.loads_of(failed_keys).items():
+            st = req_status.get(rid)
+            if st is None:
+                continue
+            for gs in st.group_states:
+                okeys, nxt = gs.offload_keys, gs.next_stored_chunk_idx
+                first = next((i for i, k in enumerate(okeys[:nxt]) if k in keys), None)
+                if first is not None:
+                    gs.next_stored_chunk_idx = first
+                    manager.counters["restores_planned"] += sum(
+                        1 for k in okeys[first:nxt] if k in keys)

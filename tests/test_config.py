@@ -1,0 +1,78 @@
+"""StorageConfig units: defaults, JSON round trip, unknown keys and bad values named,
+the staging pool check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcache_core.config import ConfigError, StorageConfig
+
+
+def test_config_defaults_and_round_trip():
+    cfg = StorageConfig()
+    assert set(StorageConfig.keys()) >= {"root_dir", "staging_bytes", "io_depth", "lookahead",
+                                         "copy_headroom", "dram_cache_bytes",
+                                         "eviction_policy", "block_size", "max_disk_bytes",
+                                         "durable"}
+    d = {k: getattr(cfg, k) for k in StorageConfig.keys()}
+    assert StorageConfig.from_dict(d) == cfg
+    assert StorageConfig.from_json(json.dumps(d)) == cfg
+    c2 = StorageConfig.from_dict({"io_depth": 4, "spec_name": "X"}, allowed_extra=("spec_name",))
+    assert c2.io_depth == 4 and c2.extra == {"spec_name": "X"}
+
+
+def test_config_unknown_key_is_named():
+    with pytest.raises(ConfigError) as ei:
+        StorageConfig.from_dict({"root_dir": "/x", "io_dept": 4})
+    assert "'io_dept'" in str(ei.value)
+    assert "io_depth" in str(ei.value)  # the valid keys are listed
+    with pytest.raises(ConfigError, match="'spec_name'"):
+        StorageConfig.from_dict({"spec_name": "PyKVCacheSpec"})
+    with pytest.raises(ConfigError, match="'extra'"):
+        StorageConfig.from_dict({"extra": {}})
+
+
+@pytest.mark.parametrize("key,value", [
+    ("io_depth", 0),
+    ("io_depth", 257),
+    ("io_depth", "8"),
+    ("io_depth", True),
+    ("io_depth", 2.5),
+    ("staging_bytes", 0),
+    ("staging_bytes", -1),
+    ("lookahead", -1),
+    ("copy_headroom", -2),
+    ("dram_cache_bytes", -1),
+    ("block_size", 0),
+    ("max_disk_bytes", -5),
+    ("max_disk_bytes", None),
+    ("root_dir", ""),
+    ("root_dir", 5),
+    ("eviction_policy", "fifo"),
+    ("direct_io", True),
+    ("direct_io", "yes"),
+    ("engine", "spdk"),
+    ("durable", "yes"),
+    ("durable", 1),
+    ("verify_checksum", "no"),
+])
+def test_config_bad_value_names_the_key(key, value):
+    with pytest.raises(ConfigError) as ei:
+        StorageConfig.from_dict({key: value})
+    assert f"'{key}'" in str(ei.value), str(ei.value)
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        StorageConfig.from_json(json.dumps({key: value}))
+
+
+def test_config_json_errors_and_pool_check():
+    with pytest.raises(ConfigError, match="JSON"):
+        StorageConfig.from_json("{not json")
+    with pytest.raises(ConfigError, match="object"):
+        StorageConfig.from_json("[1, 2]")
+    cfg = StorageConfig(staging_bytes=10 * 4096, io_depth=8, copy_headroom=4)
+    with pytest.raises(ConfigError, match="'staging_bytes'"):
+        cfg.check_pool(4096)
+    StorageConfig(staging_bytes=12 * 4096, io_depth=8, copy_headroom=4).check_pool(4096)
+    StorageConfig(staging_bytes=9 * 4096, io_depth=8, copy_headroom=0).check_pool(4096)

@@ -1,0 +1,452 @@
+"""Fast tests of :mod:`kvcache_core.vllm.manager` without an engine: the manager's
+slot bookkeeping, write-back, lookups, reports and stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from helpers.vllm_units import key
+
+from kvcache_core.layout import Layout, Namespace
+from kvcache_core.reactor import IN_SLOT
+
+
+def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_available):
+    """Write-back: a DRAM-tier slot stays pinned from complete_store until all ranks
+    reported its key written (in any order: the report may come first), so it is never
+    handed to another key while a file is still being written from it; with disk writes
+    off (no_disk) nothing is pinned; reset_cache forgets pending write-backs."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    nss = [Namespace("m", "bf16", 256, 1 << 16, tp_rank=r, tp_size=2) for r in range(2)]
+    m = PyKVCacheManager(str(tmp_path), nss, n_dram=2, writeback_max_fraction=1.0)
+    r = ReqContext("r")
+    k1, k2, k3, k4 = (key(i) for i in range(1, 5))
+    assert m.prepare_store([k1, k2], r).store_spec.dram_slots == [0, 1]
+    m.on_worker_report(set(), {}, None, {k2: 2})  # k2 written on both ranks before the ack
+    m.complete_store([k1, k2], r)
+    assert m.stats()["dram_writeback_pinned"] == 1  # k1 only
+    out = m.prepare_store([k3], r)  # k2's slot is the only one free to reclaim
+    assert out.store_spec.dram_slots == [1] and out.evicted_keys == [k2]
+    m.complete_store([k3], r)
+    assert m.prepare_store([k4], r).store_spec.dram_slots == [-1]  # k1, k3 pinned
+    m.complete_store([k4], r)
+    m.on_worker_report(set(), {}, None, {k1: 1})  # one rank of two: still pinned
+    assert m.prepare_store([key(5)], r).store_spec.dram_slots == [-1]
+    m.complete_store([key(5)], r)
+    m.on_worker_report(set(), {}, None, {k1: 1, key(99): 1})  # unknown key: ignored
+    assert m.stats()["dram_writeback_pinned"] == 1  # k3 still pending
+    out = m.prepare_store([key(6)], r)
+    assert out.store_spec.dram_slots == [0] and out.evicted_keys == [k1]
+    m.complete_store([key(6)], r)
+    m.dram.check()
+    m.reset_cache()
+    assert m.stats()["dram_writeback_pinned"] == 0
+    m.disk_stores = False  # break-even table: DRAM only, nothing written, nothing pinned
+    m.prepare_store([key(7)], r)
+    m.complete_store([key(7)], r)
+    assert m.stats()["dram_writeback_pinned"] == 0
+
+
+def test_manager_writeback_cap_keeps_slots_for_promotions(tmp_path, vllm_available):
+    """writeback_max_fraction: stores hold at most that share of the DRAM tier while their
+    files are pending (storing or pinned); further stores still fill a DRAM slot but
+    write no file (dram_only, counted) and pin nothing, so a disk hit can still be
+    promoted into the tier and a second request for the block waits for that one read
+    (HIT_PENDING). A promoted block counts as a reuse: with ARC a burst of new stores
+    evicts the stored-only blocks, not it. Pinned slots come back when the writes end."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=4, eviction_policy="arc",
+                         writeback_max_fraction=0.5)
+    w = ReqContext("writer")
+    ks = [key(i) for i in range(1, 5)]
+    spec = m.prepare_store(ks, w).store_spec
+    assert all(s >= 0 for s in spec.dram_slots) and not spec.no_disk
+    assert spec.dram_only == [False, False, True, True]
+    assert [spec.writes_file(i) for i in range(4)] == [True, True, False, False]
+    assert m.stats()["stores_writeback_full"] == 2
+    m.complete_store(ks, w)
+    assert m.stats()["dram_writeback_pinned"] == 2  # the dram_only ones pin nothing
+    assert all(m.dram.lookup(k) >= 0 for k in ks)
+    # a block on disk (another process stored it), read by two requests at once
+    lay = Layout(str(tmp_path), ns)
+    hot = key(50)
+    assert lay.write_block(bytes(hot), bytes(ns.block_bytes))
+    a, b = ReqContext("a"), ReqContext("b")
+    assert m.lookup(hot, a) == LookupResult.HIT
+    load = m.prepare_load([hot], a)
+    assert load.dram_slots[0] >= 0  # promoted into a slot the cap left reclaimable
+    assert m.lookup(hot, b) == LookupResult.HIT_PENDING  # one disk read for both
+    m.complete_load([hot], a)
+    assert m.lookup(hot, b) == LookupResult.HIT and m.dram.lookup(hot) >= 0
+    # the writes end: their slots become reclaimable, and stores write files again
+    m.on_worker_report(set(), {}, None, {ks[0]: 1, ks[1]: 1})
+    assert m.stats()["dram_writeback_pinned"] == 0
+    burst = [key(i) for i in range(100, 106)]
+    for k in burst:
+        spec = m.prepare_store([k], w).store_spec
+        assert spec.dram_only is None and spec.writes_file(0)
+        m.complete_store([k], w)
+        m.on_worker_report(set(), {}, None, {k: 1})
+    assert m.dram.lookup(hot) >= 0  # the reused block survived six new stores
+    m.dram.check()
+
+
+def test_manager_flushes_dram_only_blocks_when_the_writeback_has_room(tmp_path,
+                                                                      vllm_available):
+    """writeback_flush: blocks kept in the DRAM tier without a file (write-back full) are
+    not lost to the disk tier: once the write-back has room, take_flush_plan hands the
+    oldest of them to the workers (pinned like any write-back until every rank reports
+    them written), as many as the room allows. One evicted before that is counted
+    (dram_only_evicted) and never planned; one already on disk (another instance) is
+    skipped; with disk writes off (break-even gate) nothing is planned; with
+    writeback_flush off (the default) nothing ever is."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    off = PyKVCacheManager(str(tmp_path / "off"), [ns], n_dram=4, writeback_max_fraction=0.5)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=4, writeback_max_fraction=0.5,
+                         writeback_flush=True)
+    w = ReqContext("w")
+    ks = [key(i) for i in range(1, 5)]
+    off.prepare_store(ks, w)
+    off.complete_store(ks, w)
+    off.on_worker_report(set(), {}, None, {ks[0]: 1, ks[1]: 1})
+    assert off.take_flush_plan() == []  # writeback_flush off (the default): never
+    spec = m.prepare_store(ks, w).store_spec
+    assert spec.dram_only == [False, False, True, True]
+    m.complete_store(ks, w)
+    assert m.take_flush_plan() == []  # write-back still full (ks[0], ks[1] pinned)
+    m.on_worker_report(set(), {}, None, {ks[0]: 1, ks[1]: 1})
+    plan = m.take_flush_plan()
+    assert plan == [(bytes(ks[2]), m.dram.lookup(ks[2])), (bytes(ks[3]), m.dram.lookup(ks[3]))]
+    assert m.stats()["dram_writeback_pinned"] == 2 and m.stats()["flushes_planned"] == 2
+    assert m.take_flush_plan() == []  # planned once
+    m.on_worker_report(set(), {}, None, {ks[2]: 1, ks[3]: 1})
+    assert m.stats()["dram_writeback_pinned"] == 0
+    m.dram.check()
+
+    # evicted before its flush: lost to the cache, counted, never planned
+    m = PyKVCacheManager(str(tmp_path / "b"), [ns], n_dram=2, writeback_max_fraction=0.5,
+                         writeback_flush=True)
+    a, b, c = key(10), key(11), key(12)
+    assert m.prepare_store([a, b], w).store_spec.dram_only == [False, True]
+    m.complete_store([a, b], w)  # a pinned (its write pending), b dirty
+    out = m.prepare_store([c], w)  # b is the only reclaimable slot
+    assert out.evicted_keys == [b] and out.store_spec.dram_only == [True]
+    m.complete_store([c], w)
+    assert m.stats()["dram_only_evicted"] == 1
+    Layout(str(tmp_path / "b"), ns).write_block(bytes(c), bytes(ns.block_bytes))
+    m.on_worker_report(set(), {}, None, {a: 1})
+    assert m.take_flush_plan() == []  # c: on disk already (another instance)
+
+    # disk writes off: nothing to flush
+    m = PyKVCacheManager(str(tmp_path / "c"), [ns], n_dram=2, writeback_max_fraction=0.5,
+                         writeback_flush=True)
+    m.prepare_store([a, b], w)
+    m.complete_store([a, b], w)
+    m.on_worker_report(set(), {}, None, {a: 1})
+    m.disk_stores = False
+    assert m.take_flush_plan() == []
+    m.disk_stores = True
+    assert m.take_flush_plan() == [(bytes(b), m.dram.lookup(b))]
+
+
+def test_manager_positive_lookup_cache(tmp_path, vllm_available):
+    """disk_lookup_cache_s: a lookup that found a block's files is believed for that long
+    (no filesystem call; counted in lookups_cached), a miss is never cached (a file that
+    appears later is found at once: visibility lag of a distributed filesystem), a failed
+    load of the block drops the entry so the next lookup asks the filesystem again, and
+    reset_cache forgets everything. Off (0, the default off FUSE): every lookup asks."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    lay = Layout(str(tmp_path), ns)
+    r = ReqContext("r")
+    k, late = key(1), key(2)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=0, lookup_cache_s=60.0)
+    off = PyKVCacheManager(str(tmp_path), [ns], n_dram=0)
+    assert m.lookup(late, r) == LookupResult.MISS
+    assert lay.write_block(bytes(k), bytes(ns.block_bytes))
+    assert lay.write_block(bytes(late), bytes(ns.block_bytes))
+    assert m.lookup(late, r) == LookupResult.HIT  # the earlier miss was not cached
+    assert m.lookup(k, r) == LookupResult.HIT and off.lookup(k, r) == LookupResult.HIT
+    os.unlink(lay.path_for(bytes(k)))  # evicted by some other process
+    assert off.lookup(k, r) == LookupResult.MISS
+    assert m.lookup(k, r) == LookupResult.HIT  # believed: no filesystem call
+    assert m.stats()["lookups_cached"] == 1
+    m.on_worker_report({bytes(k)}, {})  # its load failed (file missing): entry dropped
+    m._bad.clear()  # (the failed-load quarantine is tested elsewhere)
+    assert m.lookup(k, r) == LookupResult.MISS
+    assert m.lookup(late, r) == LookupResult.HIT and m.stats()["lookups_cached"] == 2
+    m.reset_cache()
+    os.unlink(lay.path_for(bytes(late)))
+    assert m.lookup(late, r) == LookupResult.MISS
+
+
+def test_manager_short_requests_keep_dram_only_and_pin_nothing(tmp_path, vllm_available):
+    """disk_min_prefix_tokens: a request the connector marked short stores into the DRAM
+    tier without files (no_disk, slot not pinned for a write-back, counted); without a
+    DRAM slot its chunks are skipped; a long request in the same step still writes."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    m = PyKVCacheManager(str(tmp_path), [Namespace("m", "bf16", 256, 1 << 16)], n_dram=2,
+                         writeback_max_fraction=1.0)
+    short, long_ = ReqContext("short"), ReqContext("long")
+    m.short_requests.add("short")
+    out = m.prepare_store([key(1)], short)
+    assert out.store_spec.no_disk and out.store_spec.dram_slots == [0]
+    out_l = m.prepare_store([key(2)], long_)
+    assert not out_l.store_spec.no_disk and out_l.store_spec.dram_slots == [1]
+    m.complete_store([key(1)], short)
+    m.complete_store([key(2)], long_)
+    st = m.stats()
+    assert st["dram_writeback_pinned"] == 1  # key(2) only: key(1) has no file coming
+    assert st["stores_dram_only_short"] == 1
+    out = m.prepare_store([key(3)], short)  # reclaims key(1)'s slot (unpinned)
+    assert out.store_spec.dram_slots == [0] and out.evicted_keys == [key(1)]
+    m.complete_store([key(3)], short)
+    m.prepare_store([key(9)], long_)  # both slots taken (key(2) pinned, key(3) evictable)
+    assert m.prepare_store([key(4)], short).keys_to_store == []  # no slot, no file: skip
+    assert m.stats()["stores_skipped_short"] == 1
+
+
+def test_manager_recompute_only_after_a_dead_reactor(tmp_path, vllm_available):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    m = PyKVCacheManager(str(tmp_path), [Namespace("m", "bf16", 256, 1 << 16)], n_dram=2)
+    r = ReqContext("r")
+    m.prepare_store([key(1)], r)
+    m.complete_store([key(1)], r)
+    assert m.lookup(key(1), r) == LookupResult.HIT and m.stats()["healthy"] == 1
+    m.on_worker_report(set(), {"reactor_dead": 1})
+    assert m.lookup(key(1), r) == LookupResult.MISS
+    assert m.prepare_store([key(2)], r).keys_to_store == []
+    assert m.stats()["healthy"] == 0
+
+
+def test_manager_stats_file_written_off_the_scheduler_thread(tmp_path, vllm_available,
+                                                          monkeypatch):
+    """$KVCACHE_STATS_FILE is written by the exporter thread, never by the scheduler
+    thread that reports (a file create + rename there can wait for the disk's journal),
+    soon after each report, and with the final counters at shutdown."""
+    import threading
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    import kvcache_core.vllm.manager as M
+    from kvcache_core.bench.common import read_stats_file
+
+    path = str(tmp_path / "stats.json")
+    monkeypatch.setenv("KVCACHE_STATS_FILE", path)
+    writers: list[str] = []
+    real_replace = os.replace
+
+    def spy(src, dst, *a, **kw):
+        if dst == path:
+            writers.append(threading.current_thread().name)
+        return real_replace(src, dst, *a, **kw)
+
+    monkeypatch.setattr(M.os, "replace", spy)
+    m = M.PyKVCacheManager(str(tmp_path / "root"), [Namespace("m", "bf16", 256, 1 << 16)],
+                           n_dram=2)
+    t0 = time.time()
+    m.prepare_store([key(1)], ReqContext("r"))
+    m.on_worker_report(set(), {"chunks_loaded_disk": 3})
+    assert read_stats_file(path, since=t0)["chunks_loaded_disk"] == 3
+    m.on_worker_report(set(), {"chunks_loaded_disk": 2})
+    m.shutdown()
+    with open(path) as f:
+        assert json.load(f)["chunks_loaded_disk"] == 5  # the last report, written at shutdown
+    assert writers and set(writers) == {"kvcache-stats"}
+
+
+def test_disk_bytes_is_a_gauge_summed_over_ranks(tmp_path, vllm_available):
+    """The workers send the namespace ledger they last saw (``disk_bytes``) as deltas;
+    the scheduler exposes the sum over ranks as a Prometheus gauge, never as a counter
+    (it goes down when files are evicted)."""
+    from kvcache_core.layout import Ledger
+    from kvcache_core.vllm.manager import METRIC_PREFIX, PyKVCacheManager
+
+    led = Ledger(str(tmp_path / ".usage"))
+    try:
+        assert led.last == 0
+        assert led.add(300) == 300 and led.last == 300
+        led.set(120)
+        assert led.last == 120
+    finally:
+        led.close()
+    m = PyKVCacheManager(str(tmp_path), [Namespace("m", "bf16", 256, 1 << 16)], n_dram=2)
+    m.on_worker_report(set(), {"disk_bytes": 1000, "chunks_loaded_disk": 1})
+    m.on_worker_report(set(), {"disk_bytes": 500})  # a second rank's namespace
+    st = m.get_stats()
+    types, vals = st.data["types"], st.data["data"]
+    assert types[METRIC_PREFIX + "disk_bytes"] == "gauge"
+    assert types[METRIC_PREFIX + "chunks_loaded_disk"] == "counter"
+    assert sum(vals[METRIC_PREFIX + "disk_bytes"].values()) == 1500
+    m.on_worker_report(set(), {"disk_bytes": -700})  # evictions
+    assert m.stats()["disk_bytes"] == 800
+
+
+def test_manager_concurrent_loads_of_one_block_read_it_once(tmp_path, vllm_available):
+    """While one request reads a disk block into the DRAM tier, another request's lookup
+    of that block is HIT_PENDING (vLLM retries it next step) and then a DRAM hit: one
+    disk read per block. A failed promotion ends the wait with the block a miss."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=4)
+    r1, r2 = ReqContext("r1"), ReqContext("r2")
+    k1, k2 = key(1), key(2)
+    for k in (k1, k2):
+        p = m.disk[0].path_for(k)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        open(p, "w").close()
+    assert m.lookup(k1, r1) == LookupResult.HIT
+    spec = m.prepare_load([k1, k2], r1)
+    assert spec.flags == [0, 0] and min(spec.dram_slots) >= 0  # both promoted
+    assert m.lookup(k1, r2) == LookupResult.HIT_PENDING
+    assert m.plan_preloads([], [], 8) == []
+    m.on_worker_report({k2}, {})  # k2's read failed
+    m.complete_load([k1, k2], r1)
+    assert m.lookup(k1, r2) == LookupResult.HIT and m.dram.lookup(k1) >= 0
+    assert m.lookup(k2, r2) == LookupResult.MISS  # failed: a miss for a while, no wait
+    s = m.stats()
+    assert s["hits_pending"] == 1 and s["loads_disk"] == 2
+    spec = m.prepare_load([k1], r2)
+    assert spec.flags == [IN_SLOT]  # served from the DRAM tier, not read again
+    m.complete_load([k1], r2)
+    m.dram.check()
+
+
+def test_manager_slots_hits_and_failures(tmp_path, vllm_available):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=2, writeback_max_fraction=1.0)
+    r1, r2 = ReqContext("r1"), ReqContext("r2")
+    k1, k2, k3 = key(1), key(2), key(3)
+
+    def on_disk(k: bytes) -> None:
+        p = m.disk[0].path_for(k)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        open(p, "w").close()
+
+    assert m.lookup(k1, r1) == LookupResult.MISS
+    out = m.prepare_store([k1, k2], r1)
+    assert out.keys_to_store == [k1, k2] and out.store_spec.dram_slots == [0, 1]
+    assert m.lookup(k1, r1) == LookupResult.MISS  # store in flight
+    assert m.prepare_store([k1], r2).keys_to_store == []
+    m.complete_store([k1, k2], r1)
+    assert m.lookup(k1, r1) == LookupResult.HIT
+    # both slots are still being written to disk from: pinned, so a new store gets none
+    out = m.prepare_store([k3], r2)
+    assert out.keys_to_store == [k3] and out.store_spec.dram_slots == [-1]
+    assert out.evicted_keys == [] and m.stats()["stores_no_dram_slot"] == 1
+    m.complete_store([k3], r2)
+    m.on_worker_report(set(), {}, None, {k1: 1, k2: 1})  # the workers wrote them
+    assert m.stats()["dram_writeback_pinned"] == 0
+    out = m.prepare_store([k3, k2], r1)  # full: evicts k1 (LRU), never k2 (in this call)
+    assert out.keys_to_store == [k3] and out.evicted_keys == [k1]
+    m.complete_store([k3], r1)
+    m.on_worker_report(set(), {}, None, {k3: 1})
+    on_disk(k1)
+    assert m.lookup(k1, r1) == LookupResult.HIT
+    assert m.stats()["hits_disk"] == 1 and m.stats()["hits_dram"] == 1
+    # load k1 (disk) + k2 (DRAM): k2 is pinned first, so k1's promotion evicts k3
+    spec = m.prepare_load([k1, k2], r2)
+    assert spec.flags == [0, IN_SLOT] and spec.dram_slots[1] == 1 and spec.dram_slots[0] == 0
+    m.complete_load([k1, k2], r2)
+    assert m.dram.lookup(k1) == 0 and m.dram.lookup(k2) == 1 and m.dram.lookup(k3) == -1
+    # a failed DRAM read: the key leaves the DRAM tier
+    m.prepare_load([k2], r1)
+    m.on_worker_report({k2}, {"chunks_failed": 1})
+    m.complete_load([k2], r1)
+    assert m.dram.lookup(k2) == -1 and m.lookup(k2, r1) == LookupResult.MISS
+    # a failed promotion is not retained
+    on_disk(k3)
+    spec = m.prepare_load([k3], r1)
+    assert spec.dram_slots[0] >= 0 and spec.flags == [0]
+    m.on_worker_report({k3}, {})
+    m.complete_load([k3], r1)
+    assert m.dram.lookup(k3) == -1
+    s = m.stats()
+    assert s["load_failures"] == 2 and s["chunks_failed"] == 1 and s["promotions"] == 2
+    m.dram.check()
+    st = m.get_stats()
+    assert st is not None and m.get_stats() is None  # deltas only, gauges when changed
+    assert st._values["vllm:pykvcache_healthy"] == {(): 1}
+    # job latencies from the workers become histogram observations (once)
+    m.on_worker_report(set(), {}, None, None, {"load_disk": [0.2, 0.4], "bogus": [1.0]})
+    st = m.get_stats()
+    assert st is not None and st._types["vllm:pykvcache_load_disk_seconds"] == "histogram"
+    assert sorted(st._values["vllm:pykvcache_load_disk_seconds"][()]) == [0.2, 0.4]
+    assert not any("bogus" in k for k in st._values) and m.get_stats() is None
+    g = m.gauges()
+    assert g["healthy"] == 1 and g["dram_cached"] == m.dram.cached
+    assert g["stores_in_flight"] == 0 and g["loads_in_flight"] == 0
+    m.prepare_store([key(77)], r1)  # a gauge moves: the next report carries it
+    st2 = m.get_stats()
+    assert st2 is not None and st2._values["vllm:pykvcache_stores_in_flight"] == {(): 1}
+    m.reset_cache()
+    assert m.lookup(k1, r1) == LookupResult.HIT  # disk stays; DRAM forgotten
+    assert m.dram.cached == 0
+
+
+def test_manager_staged_blocks_count_as_fast_tier(tmp_path, vllm_available, monkeypatch):
+    """Keys every rank reported staged (queue-aware preload) are looked up as tier
+    ``staged``, the leading non-disk chunks are counted, a load claims them, and the
+    belief expires."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm import manager as M
+
+    nss = [Namespace("m", "bf16", 256, 1 << 16, tp_rank=r, tp_size=2) for r in range(2)]
+    m = M.PyKVCacheManager(str(tmp_path), nss, n_dram=0)
+    assert m.n_ranks == 2 and m.key_bytes == 2 * nss[0].file_bytes
+    ks = [key(i) for i in range(1, 4)]
+    for k in ks:
+        for d in m.disk:
+            p = d.path_for(k)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            open(p, "w").close()
+    r = ReqContext("r")
+
+    def look():
+        m.begin_lookup()
+        assert all(m.lookup(k, r) == LookupResult.HIT for k in ks)
+        return m.lookup_tier(), m.lookup_fast_chunks()
+
+    assert look() == ("disk", (0, "dram"))
+    m.on_worker_report(set(), {}, {ks[0]: 2, ks[1]: 1})  # ks[1]: only one rank staged it
+    assert look() == ("disk", (1, "staged"))
+    m.on_worker_report(set(), {}, {ks[1]: 2, ks[2]: 2})
+    assert look() == ("staged", (3, "staged"))
+    assert m.stats()["hits_staged"] == 1 + 3
+    m.prepare_load([ks[0]], r)  # claimed: no longer believed staged
+    assert look() == ("disk", (0, "dram"))
+    m.complete_load([ks[0]], r)
+    m.on_worker_report({ks[1]}, {}, {})  # a failed key leaves the staged set too
+    monkeypatch.setattr(M.time, "monotonic", lambda: 1e12)  # past the TTL
+    m.begin_lookup()
+    assert m.lookup(ks[2], r) == LookupResult.HIT and m.lookup_tier() == "disk"
