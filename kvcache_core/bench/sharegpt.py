@@ -1040,15 +1040,18 @@ def write_table(out: dict, path: str) -> None:
     elif nr > 1 and done:  # a call cut short: say how many rounds each row holds
         rounds = (f"; medians of the interleaved rounds each configuration completed "
                   f"({min(done)}-{max(done)} of {nr} planned; see `rounds` in the JSON)")
-    lines = [f"# ShareGPT replay: {out['model']} on {out['machine']}", "",
-             f"{out['n_requests']} requests of real ShareGPT conversations "
-             f"({wl.get('sessions', '?')} conversations, each request carrying its "
-             f"conversation's history; mean prompt {wl.get('mean_prompt_tokens', 0):.0f} "
+    name = workload_title(out)
+    what = ("real ShareGPT conversations" if name == "ShareGPT" else f"the {name} workload "
+            f"(`{out.get('workload', '?')}`)")
+    lines = [f"# {name} replay: {out['model']} on {out['machine']}", "",
+             f"{out['n_requests']} requests of {what} "
+             f"({wl.get('sessions', '?')} sessions, each request carrying its "
+             f"session's history; mean prompt {wl.get('mean_prompt_tokens', 0):.0f} "
              f"tokens, mean output {wl.get('mean_output_tokens', 0):.0f}), Poisson arrivals "
              f"at {out['rate']} req/s, streamed through vLLM's OpenAI server; dummy weights, "
              f"eager mode, GPU prefix cache on in every configuration; {gib:.1f} GiB of host "
-             "memory for native_cpu, native_fs's CPU tier and kvcache_dram's DRAM tier. "
-             f"TTFT in seconds{rounds}.",
+             "memory for native_cpu, native_fs's CPU tier, LMCache's CPU tier and "
+             f"py-kvcache's DRAM tier. TTFT in seconds{rounds}.",
              "",
              "| config | mean TTFT | median | p90 | p99 | mean vs prefix_cache | "
              "p90 vs prefix_cache | mean ITL (ms) | throughput (req/s) | cached prompt | "
@@ -1072,28 +1075,44 @@ def write_table(out: dict, path: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def workload_title(out: dict) -> str:
+    """The workload's name for titles: "ShareGPT" for a ShareGPT file, else the file's
+    base name without ``wl-`` and ``.jsonl[.gz]`` (e.g. "scbench", "bailian-coder")."""
+    base = os.path.basename(str(out.get("workload") or "")).split(".jsonl")[0]
+    if not base or "sharegpt" in base.lower():
+        return "ShareGPT"
+    return base[3:] if base.startswith("wl-") else base
+
+
 def plot(out: dict, path: str) -> None:
-    """TTFT CDF per configuration."""
+    """TTFT CDF per configuration (left) and TTFT per request in arrival order (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in out["results"]:
-        xs = sorted(r.get("ttft_all") or [])
+        ts = r.get("ttft_all") or []
+        xs = sorted(ts)
         if not xs:
             continue
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
         ax.step(xs, ys, where="post",
                 label=f"{r['config']} (mean {r['mean_ttft_s'] * 1e3:.0f} ms)")
+        ax2.plot(range(len(ts)), ts, lw=1, label=r["config"])
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title(f"ShareGPT replay at {out['rate']} req/s: {out['model']} on {out['machine']}",
-                 fontsize=10)
+    ax.set_title(f"{workload_title(out)} replay at {out['rate']} req/s: {out['model']} on "
+                 f"{out['machine']}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("request (arrival order)")
+    ax2.set_ylabel("TTFT (s)")
+    ax2.set_title("TTFT over the run", fontsize=10)
+    ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

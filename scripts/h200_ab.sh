@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A/B of two commits on the GPU machine in one device call (issue 14's "within 3% of the
+# run before the change, same lease, both commits"): the long-document benchmark
+# (kvcache_core.bench.longdoc, 1k-64k) per configuration, runs of the two commits
+# interleaved (round r: before,after if r is odd, else after,before), one engine process
+# per run, until ABBUDGET seconds have passed. Results: /tmp/ab/<before|after>-r<round>/
+# longdoc-$M.json and logs, archived as $OUT/ab.tgz; then `python scripts/ab_report.py
+# ab-dir --json docs/results/h200/ab-<name>-$M.json` on the CPU machine.
+#
+# On the CPU machine first (the device copy has no git history):
+#   rm -rf .gpu/before && mkdir -p .gpu/before && \
+#     git archive <before-commit> kvcache_core scripts configs pyproject.toml | tar x -C .gpu/before
+# Device call (after staging the runtime), carry [".gpu/before"]:
+#   source /tmp/rt/env.sh && CONFS="kvcache_dram kvcache_disk" bash scripts/h200_ab.sh
+# CONFS, R0 (first round number), ABBUDGET (s, default 430), M (model) narrow a call.
+set -u
+M=${M:-llama-3.2-3b}; T0=$(date +%s); AFTER=$PWD
+run() { # $1=before|after $2=config $3=round
+  local dir=$AFTER; [ "$1" = before ] && dir=$AFTER/.gpu/before
+  rm -rf /tmp/ldroot; mkdir -p "/tmp/ab/$1-r$3"
+  ( cd "$dir" && export PYTHONPATH=$dir:/tmp/rt:/tmp/site && \
+    timeout -k 5 150 python3 -m kvcache_core.bench.longdoc --model "$AFTER/configs/models/$M" \
+      --root /tmp/ldroot --machine "H200 (GPU machine)" --append --resume --timeout 140 \
+      --no-probe --json "/tmp/ab/$1-r$3/longdoc-$M.json" --configs "$2" \
+      > "/tmp/ab/$1-r$3-$2.log" 2>&1 ); local rc=$?
+  echo "$(($(date +%s)-T0))s $1 $2 r$3 rc=$rc"
+}
+SITE=$(python3 -c 'import vllm,os;print(os.path.dirname(os.path.dirname(vllm.__file__)))')
+python3 -m kvcache_core.cli patch-vllm --target "$SITE" >/dev/null
+python3 -m kvcache_core.cli patch-vllm --target "$SITE" --check
+r=${R0:-1}
+while :; do
+  for c in ${CONFS:-kvcache_dram kvcache_disk}; do
+    if [ $((r % 2)) = 1 ]; then order="before after"; else order="after before"; fi
+    for w in $order; do
+      [ $(($(date +%s)-T0)) -gt "${ABBUDGET:-430}" ] && break 3
+      run "$w" "$c" "$r"
+    done
+  done
+  r=$((r+1))
+done
+tar czf "${OUT:-/tmp}/ab.tgz" -C /tmp ab
