@@ -33,7 +33,8 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader || true
 # apart (preload-run-$M$SUFFIX.json), so a variant runs beside the default in one call
 B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$ROOT"
    --machine "H200 (GPU machine)" --append --resume --timeout 420)
-for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); done
+KVX=()  # the same keys for the server-based steps (sharegpt, replay)
+for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); KVX+=(--kv-extra "$kv"); done
 if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
 # GATE=path: the break-even table of the *_gate configurations of a step that does not pass
 # one itself (e.g. GATE=docs/results/h200/breakeven-$M.json CONFIGS=kvcache_disk_gate scbench)
@@ -155,7 +156,7 @@ case "$STEP" in
       --workload "${WORKLOAD:-.gpu/sharegpt-llama3.jsonl.gz}" --root "$ROOT" \
       --json "$RES/sharegpt-$M.json" --machine "H200 (GPU machine)" --resume \
       --n "${N:-2000}" --rate "${RATE:-32}" --timeout "${TIMEOUT:-240}" \
-      --budget "${BUDGET:-420}" --rounds "${ROUNDS:-1}" "${PAR[@]}" \
+      --budget "${BUDGET:-420}" --rounds "${ROUNDS:-1}" "${PAR[@]}" "${KVX[@]}" \
       --configs "${CONFIGS:-prefix_cache,kvcache_dram,native_cpu,kvcache_disk,native_fs}" \
       || true
     for f in "$ROOT"/work/*.pyspy.txt; do
@@ -193,7 +194,7 @@ case "$STEP" in
     python3 -m kvcache_core.bench.sharegpt run --model "configs/models/$M" \
       --workload "$WL" --root "$ROOT" --json "$RES/replay-$WN-$M.json" \
       --machine "H200 (GPU machine)" --n "${N:-0}" --rate "${RATE:-2}" \
-      --rounds "${ROUNDS:-1}" --timeout "${TIMEOUT:-300}" --parallel \
+      --rounds "${ROUNDS:-1}" --timeout "${TIMEOUT:-300}" --parallel "${KVX[@]}" \
       --kv-cache-memory-bytes "${KVMEM:-21474836480}" --gpu-memory-utilization "${GMU:-0.2}" \
       --configs "${CONFIGS:-prefix_cache,native_cpu,native_fs,kvcache}" || true
     cp "$ROOT"/work/*.log "$RES/" 2>/dev/null || true ;;

@@ -561,3 +561,19 @@ def test_end_to_end_openai_server_cpu(tmp_path):
     # the servers' process groups are gone and the cache roots wiped
     assert not os.path.exists(tmp_path / "root" / "kvcache_disk")
     print(f"e2e run {time.monotonic() - t0:.0f}s")
+
+
+def test_kv_extra_reaches_every_py_kvcache_config_only(tmp_path):
+    """``--kv-extra KEY=JSON`` (KVEXTRA of scripts/h200_runs.sh) goes into every py-kvcache
+    configuration's extra config, never into vLLM's own or LMCache's."""
+    args = S.build_parser().parse_args(
+        ["run", "--model", "/m", "--root", str(tmp_path), "--kv-extra", "eviction_policy=arc",
+         "--kv-extra", "writeback_max_fraction=0.25"])
+    args._max_disk_bytes = 0
+    assert args.kv_extra == [("eviction_policy", "arc"), ("writeback_max_fraction", 0.25)]
+    for cfg in ("kvcache", "kvcache_dram", "kvcache_disk"):
+        extra = S.transfer_config(cfg, args)["kv_connector_extra_config"]
+        assert extra["eviction_policy"] == "arc" and extra["writeback_max_fraction"] == 0.25
+    for cfg in ("native_cpu", "native_fs"):
+        assert "eviction_policy" not in S.transfer_config(cfg, args)["kv_connector_extra_config"]
+    assert "kv_connector_extra_config" not in S.transfer_config("lmcache", args)

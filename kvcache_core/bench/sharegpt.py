@@ -604,7 +604,8 @@ def transfer_config(cfg: str, args) -> dict | None:
 
     ns = SimpleNamespace(root=args.root, docs=1, staging_bytes=args.staging_bytes,
                          io_depth=args.io_depth, preload_lookahead=args.preload_lookahead,
-                         gate_table_path=getattr(args, "gate_table", None))
+                         gate_table_path=getattr(args, "gate_table", None),
+                         kv_extra=getattr(args, "kv_extra", None) or [])
     # longdoc sizes every CPU/DRAM tier as doc_bytes * 1.3 (* docs, here 1)
     tc = longdoc_config(cfg, ns, int(args.cpu_bytes / 1.3))
     if tc is not None and cfg.startswith("kvcache"):
@@ -1241,6 +1242,8 @@ def cmd_run(args) -> int:
         out["results"] = sorted(rows, key=lambda r: order.get(r["config"], 99))
         save(args, out)
 
+    if args.kv_extra:
+        out["kv_extra"] = dict(args.kv_extra)
     if args.parallel:
         out["parallel"] = True
         out["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
@@ -1328,6 +1331,8 @@ def run_parallel(args, configs: list[str], slices: list[list[dict]], model_dir: 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .longdoc import _kv_extra
+
     ap = argparse.ArgumentParser(prog="python -m kvcache_core.bench.sharegpt",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1396,6 +1401,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--staging-bytes", type=int, default=1 << 30,
                    help="py-kvcache staging_bytes (kvcache configs)")
     r.add_argument("--io-depth", type=int, default=8, help="py-kvcache io_depth")
+    r.add_argument("--kv-extra", action="append", default=[], metavar="KEY=JSON",
+                   type=_kv_extra,
+                   help="extra py-kvcache config key for every py-kvcache configuration, "
+                   "e.g. eviction_policy=arc (repeatable; the value is JSON, a bare word "
+                   "is taken as a string); recorded in the result JSON")
     r.add_argument("--preload-lookahead", type=int, default=4,
                    help="py-kvcache preload_lookahead (needs the patched vLLM; 0 = off)")
     r.add_argument("--max-disk-bytes", type=int, default=-1,
