@@ -206,6 +206,9 @@ WORKER_COUNTERS: dict[str, str] = {
     "(flushes_planned that found the block there and no file yet).",
     "flushes_invalid": "Worker: deferred write-backs refused because the DRAM-tier slot "
     "no longer held the block (nothing written).",
+    "worker_waits": "Worker: times vLLM blocked in wait() for store jobs (a freed GPU "
+    "block with a store in flight was reallocated: jobs_to_flush).",
+    "worker_wait_us": "Worker: microseconds vLLM spent blocked in those waits.",
     "reactor_dead": "Worker: I/O reactor threads that died (the engine then runs "
     "recompute-only: every lookup misses, nothing is stored; see the 'healthy' gauge).",
 }

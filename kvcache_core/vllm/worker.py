@@ -414,6 +414,10 @@ class PyKVCacheWorker(OffloadingWorker):
                     loads_joined=s.loads_joined, preloads_wasted=s.preload_wasted,
                     stores_flushed=s.stores_flushed, flushes_invalid=s.flushes_invalid,
                     preloads_requeued=s.spec_requeued,
+                    # vLLM blocked in wait() (jobs_to_flush: a freed GPU block with a
+                    # store in flight was reused): how often and how long in total
+                    worker_waits=self.timing["main_wait_calls"],
+                    worker_wait_us=int(self.timing["main_wait_s"] * 1e6),
                     # a gauge sent as deltas (the scheduler sums them: total over ranks)
                     disk_bytes=self.layout.ledger.last)
         return snap

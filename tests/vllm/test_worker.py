@@ -72,6 +72,8 @@ def test_worker_store_load_dram_and_disk(worker):
     w.wait({2})  # waiting for job 2 must not lose job 1's completion
     w.wait({1})
     assert {r.job_id for r in w.get_finished()} == {1, 2}
+    _, delta = w.take_report()  # vLLM's blocking waits reach the scheduler's counters
+    assert delta["worker_waits"] == 2 and delta["worker_wait_us"] >= 0
     # store jobs are acknowledged once copied (early_store_ack); the files follow
     assert w.reactor.wait(30)
     assert w.layout.exists(k1) and w.layout.exists(k2)
