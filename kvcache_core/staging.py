@@ -57,6 +57,10 @@ class LRUPolicy:
     def hit(self, key: Hashable) -> None:
         self._od.move_to_end(key)
 
+    def refresh(self, key: Hashable) -> None:
+        """Most recent, without counting a reuse (here the same as :meth:`hit`)."""
+        self._od.move_to_end(key)
+
     def remove(self, key: Hashable) -> None:
         self._od.pop(key, None)
 
@@ -109,6 +113,14 @@ class ARCPolicy:
         if key in self.t1:
             del self.t1[key]
             self.t2[key] = None
+        elif key in self.t2:
+            self.t2.move_to_end(key)
+
+    def refresh(self, key: Hashable) -> None:
+        """Most recent within its own list, without counting a reuse (a block seen once
+        stays in T1)."""
+        if key in self.t1:
+            self.t1.move_to_end(key)
         elif key in self.t2:
             self.t2.move_to_end(key)
 

@@ -9,10 +9,11 @@ vLLM's block hashes are); a request hits the leading chunks present in the tier 
 prefix: a missing chunk ends the hit) and then stores its missing full chunks, evicting
 with the policy when the tier is full. The GPU prefix cache is left out (an upper bound
 on what the tier sees). Policies: the tier's own ``lru`` and ``arc``
-(``kvcache_core.staging``), each with chunks stored in prompt order (as py-kvcache does
-today) or ``-rev`` (the last chunk of a prompt recorded as least recent, so a prefix
-loses its tail first), and ``opt`` (Belady per chunk: evict the chunk needed again last,
-offline; a reference, not a strict bound, since a hit must be a prefix).
+(``kvcache_core.staging``) with a request's blocks in prompt order (the manager before
+the sixth session) or ``-tail`` first (its last block the least recent, the manager
+now: a prefix loses its tail first), and ``opt`` (Belady per chunk: evict the chunk
+needed again last, offline; a reference, not a strict bound, since a hit must be a
+prefix).
 
 Usage: python scripts/sim_dram_policy.py WORKLOAD [--tier-bytes 8GiB] [--kv-bytes-per-token
        114688] [--block 256] [--json OUT]
@@ -69,6 +70,9 @@ class _Belady:
     def hit(self, key: int) -> None:
         pass
 
+    def refresh(self, key: int) -> None:
+        pass
+
     def victim(self, evictable) -> int:
         return max(self.keys, key=self._next)
 
@@ -77,8 +81,12 @@ class _Belady:
 
 
 def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
-    """Hit and store counts of one policy over the chunk-key lists ``reqs``."""
-    name, rev = policy.removesuffix("-rev"), policy.endswith("-rev")
+    """Hit and store counts of one policy over the chunk-key lists ``reqs``, modelling
+    PyKVCacheManager: vLLM's touch of the request's keys at lookup (a use of the blocks
+    in the tier), then the stores of its missing chunks in prompt order. ``-tail``: the
+    tail-first order (touch walks the keys backwards, and after the stores the request's
+    blocks are re-ordered tail first without counting a use)."""
+    name, tail = policy.removesuffix("-tail"), policy.endswith("-tail")
     pol = _Belady(reqs) if name == "opt" else make_policy(name, capacity)
     present: set[int] = set()
     hits = asked = stores = evictions = 0
@@ -90,6 +98,9 @@ def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
             n += 1
         hits += n
         asked += len(keys)
+        for k in (reversed(keys) if tail else keys):  # vLLM's touch at lookup
+            if k in present:
+                pol.hit(k)
         for k in keys[n:]:
             if k in present:
                 continue
@@ -101,9 +112,10 @@ def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
             pol.insert(k)
             present.add(k)
             stores += 1
-        for k in (reversed(keys) if rev else keys):
-            if k in present:
-                pol.hit(k)
+        if tail:
+            for k in reversed(keys):
+                if k in present:
+                    pol.refresh(k)
     return {"policy": policy, "hit_rate": hits / asked if asked else 0.0,
             "chunks_hit": hits, "chunks_asked": asked, "stores": stores,
             "evictions": evictions}
@@ -116,7 +128,7 @@ def main() -> int:
     ap.add_argument("--kv-bytes-per-token", type=int, default=114688,
                     help="KV bytes per token (default: Llama-3.2-3B, bf16)")
     ap.add_argument("--block", type=int, default=256)
-    ap.add_argument("--policies", default="lru,lru-rev,arc,arc-rev,opt")
+    ap.add_argument("--policies", default="lru,lru-tail,arc,arc-tail,opt")
     ap.add_argument("--json")
     a = ap.parse_args()
     from kvcache_core.workloads import read_workload

@@ -19,7 +19,7 @@ def _loop(contexts: int, chunks: int, rounds: int) -> list[list[int]]:
 
 def test_working_set_that_fits_always_hits_after_the_first_round():
     reqs = _loop(3, 4, 3)
-    for p in ("lru", "arc", "lru-rev", "opt"):
+    for p in ("lru", "arc", "lru-tail", "arc-tail", "opt"):
         r = sim.simulate(reqs, 12, p)
         assert r["chunks_hit"] == 24 and r["stores"] == 12, (p, r)
 
@@ -28,8 +28,8 @@ def test_a_loop_larger_than_the_tier_defeats_lru_not_belady():
     reqs = _loop(4, 8, 4)  # 32 distinct chunks through 20 slots
     assert sim.simulate(reqs, 20, "lru")["chunks_hit"] == 0
     assert sim.simulate(reqs, 20, "opt")["chunks_hit"] > 0
-    assert sim.simulate(reqs, 20, "arc-rev")["hit_rate"] >= sim.simulate(reqs, 20,
-                                                                          "arc")["hit_rate"]
+    assert sim.simulate(reqs, 20, "arc-tail")["hit_rate"] >= sim.simulate(reqs, 20,
+                                                                           "arc")["hit_rate"]
 
 
 def test_chunk_keys_chain_the_prefix():

@@ -38,7 +38,12 @@ is lost to the cache (``dram_only_evicted``).
 
 Replacement: a block read from disk into the tier (promotion) counts as a reuse (with
 ``eviction_policy=arc`` it enters the frequency list), a block that was only stored does
-not, so a burst of new, never-read stores evicts other stores first.
+not, so a burst of new, never-read stores evicts other stores first. A request's blocks
+are ordered tail first (its last block the least recent, as vLLM frees GPU blocks): a hit
+must be a prefix, so the tail is worth least. :meth:`touch` (vLLM passes the request's
+whole key list, at lookup and at every store job) walks it backwards, and a store job's
+completion re-walks the request's last touched list, so blocks stored after the last
+touch do not end up more recent than the request's head.
 
 Failed loads (a missing or corrupt file, an invalid DRAM slot) are reported by the
 workers through :class:`~kvcache_core.vllm.metadata.PyKVCacheWorkerMetadata` and
@@ -221,6 +226,8 @@ BAD_KEY_TTL_S = 60.0
 #: preload slot for foreground work; a load then reads the disk, correct but slower)
 STAGED_TTL_S = 30.0
 STAGED_MAX = 65536
+#: requests whose last touched key list the manager keeps (tail-first order on store)
+REQ_KEYS_MAX = 4096
 BAD_KEYS_MAX = 65536
 
 
@@ -296,6 +303,10 @@ class PyKVCacheManager(OffloadingManager):
         self._slot_key: list[OffloadKey | None] = [None] * n_dram  # key retained in slot
         self._owner = itertools.count(1)
         self._storing: dict[OffloadKey, int] = {}  # key -> DRAM slot (-1: none) in flight
+        #: req id -> the key list vLLM last passed to touch() (its own list, held, not
+        #: copied), for the tail-first order after a store job completes; bounded
+        self._req_keys: collections.OrderedDict[str, Sequence[OffloadKey]] = (
+            collections.OrderedDict())
         # write-back: key -> ranks that reported its disk write ended (keys storing or
         # pinned only), and key -> its DRAM slot, pinned until all ranks reported
         self._wb_done: dict[OffloadKey, int] = {}
@@ -597,11 +608,34 @@ class PyKVCacheManager(OffloadingManager):
         return PyKVLoadSpec(keys, slots, flags)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """A use of the request's blocks ``keys`` (vLLM: its whole key list in prefix
+        order): the ones in the DRAM tier become the most recent, tail first (the head
+        ends up most recent)."""
         if self.dram is None:
+            return
+        if isinstance(keys, Sequence):
+            rk = self._req_keys
+            rk[req_context.req_id] = keys
+            rk.move_to_end(req_context.req_id)
+            if len(rk) > REQ_KEYS_MAX:
+                rk.popitem(last=False)
+            self._touch_tail_first(keys)
             return
         for key in keys:
             if self.dram.lookup(key) >= 0:
                 self.dram.policy.hit(key)
+
+    def _touch_tail_first(self, keys: Sequence[OffloadKey], reuse: bool = True) -> None:
+        """The DRAM-tier blocks of ``keys`` become the most recent, last key first;
+        ``reuse``: count it as a use (vLLM's touch), else only restore the order (a
+        block that was only stored is not a reuse)."""
+        dram = self.dram
+        assert dram is not None
+        use, index = (dram.policy.hit if reuse else dram.policy.refresh), dram.index
+        for i in range(len(keys) - 1, -1, -1):
+            key = keys[i]
+            if key in index:
+                use(key)
 
     def _finish_load(self, key: OffloadKey, rec: tuple[int, str], failed: bool) -> None:
         slot, how = rec
@@ -735,6 +769,12 @@ class PyKVCacheManager(OffloadingManager):
                             self._wb_done[key] = written
                 else:
                     self.dram.release(slot)
+        if stored and success and self.dram is not None:
+            # blocks retained just now are the most recent: restore the tail-first order
+            # of the request's blocks (its head most recent)
+            req_keys = self._req_keys.get(req_context.req_id)
+            if req_keys is not None:
+                self._touch_tail_first(req_keys, reuse=False)
         if self._events_on and stored and success:
             self._events.append(OffloadingEvent(stored, self.medium, False))
 
@@ -751,6 +791,7 @@ class PyKVCacheManager(OffloadingManager):
         if self.dram is not None:
             self.dram = SlotAllocator(self.n_dram, retain=True, policy=self._policy)
         self._slot_key = [None] * self.n_dram
+        self._req_keys.clear()
         self._storing.clear()
         self._dram_only.clear()
         self._behind.clear()

@@ -450,3 +450,30 @@ def test_manager_staged_blocks_count_as_fast_tier(tmp_path, vllm_available, monk
     monkeypatch.setattr(M.time, "monotonic", lambda: 1e12)  # past the TTL
     m.begin_lookup()
     assert m.lookup(ks[2], r) == LookupResult.HIT and m.lookup_tier() == "disk"
+
+
+def test_manager_evicts_a_prefix_tail_first(tmp_path, vllm_available):
+    """A hit must be a prefix: when the DRAM tier is full, a request's LAST block goes
+    first, also when its blocks were stored in two jobs (vLLM touches the request's whole
+    key list at lookup and at every store job; a store's completion restores the order)."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    for policy in ("lru", "arc"):
+        m = PyKVCacheManager(str(tmp_path / policy), [Namespace("m", "bf16", 256, 1 << 16)],
+                             n_dram=3, writeback_max_fraction=1.0, eviction_policy=policy)
+        m.disk_stores = False  # DRAM tier only: no write-back pins
+        a, b = ReqContext("a"), ReqContext("b")
+        keys = [key(1), key(2), key(3)]  # vLLM's list for request a (grows as it runs)
+        m.touch(keys, a)  # lookup: nothing cached yet
+        m.prepare_store(keys[:2], a)  # job 1: the first two chunks
+        m.touch(keys, a)
+        m.complete_store(keys[:2], a)
+        m.prepare_store(keys[2:], a)  # job 2: the last chunk
+        m.touch(keys, a)
+        m.complete_store(keys[2:], a)
+        out = m.prepare_store([key(9)], b)  # tier full: one block must go
+        assert out.evicted_keys == [key(3)], (policy, out.evicted_keys)
+        out = m.prepare_store([key(8)], b)
+        assert out.evicted_keys == [key(2)], (policy, out.evicted_keys)
