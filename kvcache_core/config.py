@@ -84,7 +84,9 @@ KEY_HELP: dict[str, str] = {
     "dram_cache_bytes": "Bytes of additional slots that retain finished blocks as a DRAM "
     "cache tier (0 disables the DRAM tier). Stores are copied there and written to disk "
     "from there in the background (write-back buffer).",
-    "eviction_policy": "DRAM tier replacement policy: 'lru' or 'arc'.",
+    "eviction_policy": "DRAM tier replacement policy: 'lru', 'arc', or 'lru-admit' (LRU "
+    "plus a frequency filter on new blocks that turns itself on only while it measures "
+    "more hits than LRU: loops over more contexts than the tier holds).",
     "writeback_max_fraction": "Share of the DRAM tier that stores may hold while their "
     "files are still being written (write-back). Beyond it a new store still fills a "
     "DRAM-tier slot but writes no file (counted as stores_writeback_full), so a disk that "
@@ -185,7 +187,8 @@ class StorageConfig:
         need(self.dram_cache_bytes >= 0, "dram_cache_bytes", "must be >= 0")
         need(self.block_size > 0, "block_size", "must be > 0")
         need(self.max_disk_bytes >= 0, "max_disk_bytes", "must be >= 0 (0 = unbounded)")
-        need(self.eviction_policy in ("lru", "arc"), "eviction_policy", "must be 'lru' or 'arc'")
+        need(self.eviction_policy in ("lru", "arc", "lru-admit"), "eviction_policy",
+             "must be 'lru', 'arc' or 'lru-admit'")
         need(isinstance(self.writeback_max_fraction, (int, float))
              and not isinstance(self.writeback_max_fraction, bool)
              and 0 < self.writeback_max_fraction <= 1, "writeback_max_fraction",

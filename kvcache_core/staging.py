@@ -210,6 +210,13 @@ class SlotAllocator:
         return len(self._free) + reclaimable > self.reserve_foreground
 
     # -- ownership ------------------------------------------------------------------
+    def next_victim(self) -> Hashable | None:
+        """The key a FOREGROUND :meth:`acquire` would reclaim now, None if a slot is free
+        (or none can be reclaimed). No side effects."""
+        if self._free:
+            return None
+        return self.policy.victim(self._unpinned_cached)
+
     def acquire(self, owner: int, prio: Priority = Priority.FOREGROUND) -> int:
         """Give a slot to ``owner`` (state BUSY). Returns the slot index or -1.
 

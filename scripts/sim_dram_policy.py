@@ -11,7 +11,9 @@ with the policy when the tier is full. The GPU prefix cache is left out (an uppe
 on what the tier sees). Policies: the tier's own ``lru`` and ``arc``
 (``kvcache_core.staging``) with a request's blocks in prompt order (the manager before
 the sixth session) or ``-tail`` first (its last block the least recent, the manager
-now: a prefix loses its tail first), and ``opt`` (Belady per chunk: evict the chunk
+now: a prefix loses its tail first), ``lru-admit`` (the manager's
+``eviction_policy=lru-admit``: LRU tail first behind kvcache_core.admission's filter), and
+``opt`` (Belady per chunk: evict the chunk
 needed again last, offline; a reference, not a strict bound, since a hit must be a
 prefix).
 
@@ -29,6 +31,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from kvcache_core.admission import AdmissionDuel  # noqa: E402
 from kvcache_core.staging import make_policy  # noqa: E402
 
 
@@ -87,6 +90,9 @@ def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
     tail-first order (touch walks the keys backwards, and after the stores the request's
     blocks are re-ordered tail first without counting a use)."""
     name, tail = policy.removesuffix("-tail"), policy.endswith("-tail")
+    adm = None
+    if name == "lru-admit":  # the manager's eviction_policy=lru-admit (tail first)
+        name, tail, adm = "lru", True, AdmissionDuel(capacity)
     pol = _Belady(reqs) if name == "opt" else make_policy(name, capacity)
     present: set[int] = set()
     hits = asked = stores = evictions = 0
@@ -98,6 +104,8 @@ def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
             n += 1
         hits += n
         asked += len(keys)
+        if adm is not None:
+            adm.on_request(keys)
         for k in (reversed(keys) if tail else keys):  # vLLM's touch at lookup
             if k in present:
                 pol.hit(k)
@@ -106,6 +114,8 @@ def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
                 continue
             if len(present) >= capacity:
                 v = pol.victim(lambda _k: True)
+                if adm is not None and not adm.admit(k, v):
+                    continue
                 pol.evicted(v)
                 present.discard(v)
                 evictions += 1
@@ -128,7 +138,7 @@ def main() -> int:
     ap.add_argument("--kv-bytes-per-token", type=int, default=114688,
                     help="KV bytes per token (default: Llama-3.2-3B, bf16)")
     ap.add_argument("--block", type=int, default=256)
-    ap.add_argument("--policies", default="lru,lru-tail,arc,arc-tail,opt")
+    ap.add_argument("--policies", default="lru,lru-tail,arc,arc-tail,lru-admit,opt")
     ap.add_argument("--json")
     a = ap.parse_args()
     from kvcache_core.workloads import read_workload

@@ -74,6 +74,7 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
+from ..admission import AdmissionDuel
 from ..breakeven import GATE_TIERS
 from ..flags import IN_SLOT
 from ..layout import LayoutIndex, Namespace
@@ -123,6 +124,9 @@ MANAGER_COUNTERS: dict[str, str] = {
     "restores_planned": "Chunks whose load failed (missing or corrupt file, invalid DRAM "
     "slot) that their own request re-stores once it has recomputed them (self-healing).",
     "dram_evictions": "DRAM-tier slots reclaimed from another key.",
+    "stores_not_admitted": "eviction_policy=lru-admit: new blocks kept out of a full DRAM "
+    "tier because more requests asked for the block they would evict (a loop over more "
+    "than the tier holds); with disk writes on they still get their file.",
     "load_failures": "Chunk loads that failed (missing/corrupt file or invalid DRAM "
     "slot); vLLM recomputed them.",
     "preloads_planned": "Disk blocks of waiting requests sent to the workers for preload.",
@@ -145,6 +149,8 @@ MANAGER_GAUGES: dict[str, str] = {
     "disk_bytes": "Bytes of the published files of this engine's namespaces (the ledger "
     "shared by every process using them, as last seen by the workers, summed over ranks).",
     "loads_in_flight": "Chunks whose load job is not complete yet.",
+    "dram_admission_active": "eviction_policy=lru-admit: 1 while the admission filter is "
+    "on (it measures more DRAM-tier hits than plain LRU on the recent requests).",
 }
 #: Latency histograms (seconds per vLLM transfer job, observed on the workers):
 #: name -> (help, bucket upper bounds). Prometheus ``vllm:pykvcache_<name>_seconds``.
@@ -298,8 +304,14 @@ class PyKVCacheManager(OffloadingManager):
         self.disk = [LayoutIndex(root_dir, ns) for ns in namespaces]
         self.n_dram = n_dram
         self._policy = eviction_policy
+        self._slot_policy = "lru" if eviction_policy == "lru-admit" else eviction_policy
+        #: eviction_policy="lru-admit": LRU, plus a frequency filter on new DRAM-tier
+        #: blocks that is on only while it measures better (kvcache_core.admission)
+        self._admission = (AdmissionDuel(n_dram) if eviction_policy == "lru-admit"
+                           and n_dram > 0 else None)
         self.dram: SlotAllocator | None = (
-            SlotAllocator(n_dram, retain=True, policy=eviction_policy) if n_dram > 0 else None)
+            SlotAllocator(n_dram, retain=True, policy=self._slot_policy) if n_dram > 0
+            else None)
         self._slot_key: list[OffloadKey | None] = [None] * n_dram  # key retained in slot
         self._owner = itertools.count(1)
         self._storing: dict[OffloadKey, int] = {}  # key -> DRAM slot (-1: none) in flight
@@ -615,6 +627,8 @@ class PyKVCacheManager(OffloadingManager):
             return
         if isinstance(keys, Sequence):
             rk = self._req_keys
+            if self._admission is not None and req_context.req_id not in rk:
+                self._admission.on_request(keys)  # once per request: its lookup
             rk[req_context.req_id] = keys
             rk.move_to_end(req_context.req_id)
             if len(rk) > REQ_KEYS_MAX:
@@ -696,7 +710,18 @@ class PyKVCacheManager(OffloadingManager):
                     or self._on_disk(key)):
                 self.counters["stores_skipped"] += 1
                 continue
-            slot = self._acquire(evicted) if self.dram is not None else -1
+            slot = -1
+            if self.dram is not None:
+                adm = self._admission
+                victim = (self.dram.next_victim() if adm is not None and adm.active
+                          else None)
+                if victim is not None and not adm.admit(key, victim):
+                    # the tier keeps its block: more requests asked for it (loop workload)
+                    self.counters["stores_not_admitted"] += 1
+                    if not disk:
+                        continue
+                else:
+                    slot = self._acquire(evicted)
             behind = False
             if slot >= 0 and disk:
                 if len(self._wb_storing) + len(self._wb_pinned) >= self._wb_cap:
@@ -789,7 +814,9 @@ class PyKVCacheManager(OffloadingManager):
         if self._pos:
             self._pos.clear()
         if self.dram is not None:
-            self.dram = SlotAllocator(self.n_dram, retain=True, policy=self._policy)
+            self.dram = SlotAllocator(self.n_dram, retain=True, policy=self._slot_policy)
+            if self._admission is not None:
+                self._admission = AdmissionDuel(self.n_dram)
         self._slot_key = [None] * self.n_dram
         self._req_keys.clear()
         self._storing.clear()
@@ -934,7 +961,9 @@ class PyKVCacheManager(OffloadingManager):
                 "dram_cached": self.dram.cached if self.dram is not None else 0,
                 "dram_writeback_pinned": len(self._wb_pinned),
                 "stores_in_flight": len(self._storing), "loads_in_flight": len(self._loading),
-                "disk_bytes": self.counters.get("disk_bytes", 0)}
+                "disk_bytes": self.counters.get("disk_bytes", 0),
+                "dram_admission_active": int(self._admission is not None
+                                             and self._admission.active)}
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """Counter deltas since the last call and the gauges when any changed (vLLM calls

@@ -14,7 +14,7 @@ from kvcache_core.admin import read_ledger
 
 from . import helpers as H
 
-A, C = H.PROMPTS["A"], H.PROMPTS["C"]
+A, B, C = H.PROMPTS["A"], H.PROMPTS["B"], H.PROMPTS["C"]
 FULL_HIT = 3 * H.CHUNK  # 1000-token prompts: 3 storage blocks
 
 
@@ -512,3 +512,31 @@ def test_tensor_parallel_2(model_dir, workdir):
     assert len(spaces) == 2
     for d in spaces:
         assert len(H.cache_files(os.path.join(root, d))) == 3
+
+
+def test_lru_admit_serves_a_loop_over_more_contexts_than_the_dram_tier(reference, model_dir,
+                                                                       workdir):
+    """eviction_policy=lru-admit on a real engine: A, B, C (9 blocks) visited round-robin
+    4 times through a 5-slot DRAM tier, disk writes off (as when the break-even table says
+    the disk never pays). Plain LRU would evict each prompt just before it comes back (0
+    hits, tests/vllm/test_manager.py); here the filter turns itself on, later rounds are
+    DRAM hits, and every output equals the recompute reference."""
+    root = os.path.join(workdir, "root_admit")
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=5 * H.FILE_BYTES,
+                                               eviction_policy="lru-admit"))
+    outs = []
+    try:
+        m = H.manager(llm)
+        m.disk_stores = False
+        for _ in range(4):
+            for name, p in (("A", A), ("B", B), ("C", C)):
+                outs.append((name, H.generate(llm, p)))
+                H.drain(llm)
+        st = m.stats()
+    finally:
+        H.shutdown(llm)
+    for name, o in outs:
+        assert H.same_output(o, reference[name]), name
+    assert st["hits_dram"] >= 6 and st["stores_not_admitted"] > 0, st
+    assert st["dram_admission_active"] == 1 and H.cache_files(root) == set()
+    assert sum(o["num_cached_tokens"] for _, o in outs[3:]) >= 6 * H.CHUNK

@@ -477,3 +477,37 @@ def test_manager_evicts_a_prefix_tail_first(tmp_path, vllm_available):
         assert out.evicted_keys == [key(3)], (policy, out.evicted_keys)
         out = m.prepare_store([key(8)], b)
         assert out.evicted_keys == [key(2)], (policy, out.evicted_keys)
+
+
+def test_manager_lru_admit_serves_a_loop_that_lru_cannot(tmp_path, vllm_available):
+    """eviction_policy=lru-admit: 4 contexts of 8 blocks visited round-robin through a
+    20-slot DRAM tier. Plain LRU evicts each context just before its next visit (0 hits);
+    with the self-enabling filter the tier keeps blocks that more requests asked for,
+    serves later rounds and stores fewer blocks. Driven as vLLM does: touch at lookup,
+    lookups until the first miss, then prepare/complete_store of the missing blocks."""
+    from helpers.access_patterns import loop
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    res = {}
+    for policy in ("lru", "lru-admit"):
+        m = PyKVCacheManager(str(tmp_path / policy), [Namespace("m", "bf16", 256, 1 << 16)],
+                             n_dram=20, eviction_policy=policy)
+        m.disk_stores = False  # DRAM tier only
+        hits = 0
+        for i, ids in enumerate(loop(4, 8, 4)):
+            ctx, keys = ReqContext(f"r{i}"), [key(k) for k in ids]
+            m.touch(keys, ctx)
+            n = 0
+            while n < len(keys) and m.lookup(keys[n], ctx) == LookupResult.HIT:
+                n += 1
+            hits += n
+            out = m.prepare_store(keys[n:], ctx)
+            m.complete_store(out.keys_to_store, ctx)
+        res[policy] = (hits, m.stats())
+    assert res["lru"][0] == 0
+    assert res["lru-admit"][0] > 0
+    st = res["lru-admit"][1]
+    assert st["stores_not_admitted"] > 0 and st["stores"] < res["lru"][1]["stores"]
+    assert st["dram_admission_active"] == 1 and res["lru"][1]["dram_admission_active"] == 0
