@@ -11,7 +11,9 @@ steps with all of them running dominate. Rounds after the first reuse the same p
 Configurations: ``prefix_cache`` (vLLM's GPU prefix cache, no connector),
 ``kvcache_dram`` (py-kvcache, DRAM tier, disk writes off as when the break-even table
 says the disk never pays: ``manager.disk_stores = False``), ``kvcache_disk`` (DRAM tier
-and write-through files), ``kvcache_nodram`` (files only, no DRAM tier).
+and write-through files), ``kvcache_nodram`` (files only, no DRAM tier),
+``noop_connector`` (scripts/noop_kv_connector.py: a connector whose hooks do nothing, what
+vLLM's own connector machinery costs).
 ``--repeats`` runs the whole list that many times, interleaved (this box's speed drifts
 by tens of percent over minutes), and reports medians over repeats.
 
@@ -44,7 +46,7 @@ sys.path.insert(0, REPO)
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-CONFIGS = ("prefix_cache", "kvcache_dram", "kvcache_disk", "kvcache_nodram")
+CONFIGS = ("prefix_cache", "kvcache_dram", "kvcache_disk", "kvcache_nodram", "noop_connector")
 
 
 def _prompts(args, rnd: int) -> list[list[int]]:
@@ -92,7 +94,7 @@ def child(args) -> dict:
     root = os.path.join(args.workdir, f"cache-{cfg}")
     shutil.rmtree(root, ignore_errors=True)
     extra = None
-    if cfg != "prefix_cache":
+    if cfg not in ("prefix_cache", "noop_connector"):
         dram = 0 if cfg == "kvcache_nodram" else args.dram_mib << 20
         extra = H.extra_config(root, dram_cache_bytes=dram,
                                staging_bytes=32 * H.FILE_BYTES, io_depth=8, lookahead=8)
@@ -100,6 +102,13 @@ def child(args) -> dict:
     kw = {}
     if args.gpu_blocks:
         kw["num_gpu_blocks_override"] = args.gpu_blocks
+    if cfg == "noop_connector":
+        from vllm.config import KVTransferConfig
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NoopConnector", kv_connector_module_path="noop_kv_connector",
+            kv_role="kv_both")
     llm = H.make_llm(model, extra, enable_prefix_caching=True,
                      max_model_len=args.prefix_tokens + args.suffix_tokens
                      + args.output_tokens + 64, max_num_seqs=max(64, args.requests), **kw)

@@ -121,11 +121,11 @@ def extra_config(root: str, **kw: Any) -> dict[str, Any]:
 
 def make_llm(model_dir: str, extra: dict[str, Any] | None, tp: int = 1, **kw: Any):
     """An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0); ``extra=None``: no
-    connector (the recompute reference)."""
+    connector (the recompute reference), unless ``kv_transfer_config`` names another."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    ktc = None
+    ktc = kw.pop("kv_transfer_config", None)
     if extra is not None:
         ktc = KVTransferConfig(kv_connector="OffloadingConnector",
                                kv_connector_module_path="kvcache_core.vllm",
