@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.kvutil import assert_config_error_names_key
 
 from kvcache_core.config import ConfigError, StorageConfig
 
@@ -59,11 +60,7 @@ def test_config_unknown_key_is_named():
     ("verify_checksum", "no"),
 ])
 def test_config_bad_value_names_the_key(key, value):
-    with pytest.raises(ConfigError) as ei:
-        StorageConfig.from_dict({key: value})
-    assert f"'{key}'" in str(ei.value), str(ei.value)
-    with pytest.raises(ConfigError, match=f"'{key}'"):
-        StorageConfig.from_json(json.dumps({key: value}))
+    assert_config_error_names_key(key, value)
 
 
 def test_config_json_errors_and_pool_check():

@@ -21,7 +21,13 @@ import time
 
 import pytest
 from helpers.kvutil import list_files, published_bytes, read_ledger
-from helpers.lru_worker import ServeProc, content, make_ns
+from helpers.lru_worker import (
+    ServeProc,
+    check_lru_order,
+    content,
+    lru_order_groups,
+    make_ns,
+)
 
 from kvcache_core.layout import HOT_RESCAN_MIN_GAP_S, MIN_RESCAN_GAP_S, Layout
 
@@ -59,8 +65,7 @@ def test_globally_oldest_files_go_first_whoever_published_them(tmp_path):
         time.sleep(0.03)
         assert a.cmd("touch", B[:2]) == B[:2]  # A's read hits on B's files
         b.quit()
-        group = {**{k: 0 for k in A[4:]}, **{k: 1 for k in B[2:]},
-                 **{k: 2 for k in A[:4]}, **{k: 3 for k in B[:2]}}
+        group = lru_order_groups(A, B)
         # 16 of 20 files (80%: above SCAN_WATER): A's evictor rescans in the background
         time.sleep(1.0)
         new = [f"n{i}" for i in range(12)]
@@ -79,14 +84,7 @@ def test_globally_oldest_files_go_first_whoever_published_them(tmp_path):
             assert lay.read_block(k.encode()) == content(k.encode(), BB)
     finally:
         lay.close()
-    evicted = set(group) - survivors
-    assert stats["evicted_files"] == len(evicted), stats  # all evicted by A's stores
-    assert len(evicted) >= 8, (evicted, stats)
-    assert set(A[4:]) <= evicted and evicted & set(B), evicted  # B's files went too
-    # the evicted files are a prefix of the global recency order (ties within a group)
-    assert max(group[k] for k in evicted) <= min(group[k] for k in survivors), (
-        sorted(evicted), sorted(survivors))
-    assert not evicted & set(A[:4] + B[:2])  # touched by the other process: kept
+    check_lru_order(group, survivors, stats, A, B)
     base = os.path.join(root, NS.dirname())
     assert read_ledger(base) == published_bytes(base) <= bound
 

@@ -44,7 +44,13 @@ from typing import TypeVar
 
 import pytest
 from helpers.kvutil import REPO, list_files
-from helpers.lru_worker import ServeProc, content, make_ns
+from helpers.lru_worker import (
+    ServeProc,
+    check_lru_order,
+    content,
+    lru_order_groups,
+    make_ns,
+)
 
 from kvcache_core.layout import LEDGER_XATTR, TMP_PREFIX, Layout, Ledger
 
@@ -87,32 +93,41 @@ def brick_copies(gluster, layout: str) -> list[list[str]]:
     return [[b] for b in bricks] if layout == "replica" else [bricks]
 
 
+def _shard_entries(bricks: list[str], rel_base: str):
+    """Every entry of the namespace's shard directories on every brick (hidden top-level
+    entries such as the ledger skipped)."""
+    for brick in bricks:
+        for top in _entries(os.path.join(brick, rel_base)):
+            if top.name.startswith(".") or not top.is_dir(follow_symlinks=False):
+                continue
+            for sub in _entries(top.path):
+                if sub.is_dir(follow_symlinks=False):
+                    yield from _entries(sub.path)
+
+
+def _is_link_file(st: os.stat_result) -> bool:
+    """A GlusterFS DHT link file: empty, mode ``---------T`` (the data is on another
+    brick)."""
+    return stat.S_ISREG(st.st_mode) and bool(st.st_mode & stat.S_ISVTX) and st.st_size == 0
+
+
 def brick_files(bricks: list[str], rel_base: str) -> dict[str, int]:
     """Published files of a namespace as the bricks hold them, name -> bytes: regular
     files in the shard directories of every brick, temp files and GlusterFS's zero-byte
     DHT link files (mode ``---------T``, pointing to the brick that holds the data)
     excluded. Exact only while nothing publishes or evicts (the ledger lock held)."""
     out: dict[str, int] = {}
-    for brick in bricks:
-        base = os.path.join(brick, rel_base)
-        for top in _entries(base):
-            if top.name.startswith(".") or not top.is_dir(follow_symlinks=False):
-                continue
-            for sub in _entries(top.path):
-                if not sub.is_dir(follow_symlinks=False):
-                    continue
-                for e in _entries(sub.path):
-                    if e.name.startswith(TMP_PREFIX):
-                        continue
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    if not stat.S_ISREG(st.st_mode) or (
-                            st.st_mode & stat.S_ISVTX and st.st_size == 0):
-                        continue
-                    assert e.name not in out, f"{e.name} holds data on two bricks"
-                    out[e.name] = st.st_size
+    for e in _shard_entries(bricks, rel_base):
+        if e.name.startswith(TMP_PREFIX):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or _is_link_file(st):
+            continue
+        assert e.name not in out, f"{e.name} holds data on two bricks"
+        out[e.name] = st.st_size
     return out
 
 
@@ -140,7 +155,7 @@ def brick_ledger(bricks: list[str], rel_base: str, name: str = ".usage") -> int:
             st = os.lstat(p)
         except FileNotFoundError:
             continue
-        if not stat.S_ISREG(st.st_mode) or (st.st_mode & stat.S_ISVTX and st.st_size == 0):
+        if not stat.S_ISREG(st.st_mode) or _is_link_file(st):
             continue  # a DHT link file: the data file is on another brick
         try:
             raw = os.getxattr(p, LEDGER_XATTR)
@@ -154,26 +169,16 @@ def brick_ledger(bricks: list[str], rel_base: str, name: str = ".usage") -> int:
 def brick_temps(bricks: list[str], rel_base: str) -> list[str]:
     """Names of the temp files on the bricks (DHT link files excluded)."""
     out = []
-    for brick in bricks:
-        base = os.path.join(brick, rel_base)
-        for top in _entries(base):
-            if top.name.startswith(".") or not top.is_dir(follow_symlinks=False):
-                continue
-            for sub in _entries(top.path):
-                for e in _entries(sub.path):
-                    if e.name.startswith(TMP_PREFIX) and not _is_linkto(e):
-                        out.append(e.name)
+    for e in _shard_entries(bricks, rel_base):
+        if not e.name.startswith(TMP_PREFIX):
+            continue
+        try:
+            link = _is_link_file(e.stat(follow_symlinks=False))
+        except FileNotFoundError:
+            link = False  # gone meanwhile: it was a temp file when listed
+        if not link:
+            out.append(e.name)
     return out
-
-
-def _is_linkto(e: os.DirEntry) -> bool:
-    """A GlusterFS DHT link file: empty, mode ``---------T`` (the data is on another
-    brick)."""
-    try:
-        st = e.stat(follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return stat.S_ISREG(st.st_mode) and bool(st.st_mode & stat.S_ISVTX) and st.st_size == 0
 
 
 class BoundObserver(threading.Thread):
@@ -451,8 +456,7 @@ def test_eviction_follows_global_recency_across_mounts(mounts, gluster):
         base_scans = a.cmd("stats")["rescans"]  # then A's evictor rescans (80% full)
         _wait_for(lambda: a.cmd("stats")["rescans"] >= base_scans + 2, 30,
                   "node A's evictor to rescan", step=0.05)
-        group = {**{k: 0 for k in A[4:]}, **{k: 1 for k in B[2:]},
-                 **{k: 2 for k in A[:4]}, **{k: 3 for k in B[:2]}}
+        group = lru_order_groups(A, B)
         new = [f"n{i}" for i in range(12)]
         for k in new:
             assert a.cmd("pub", [k]) == [k]
@@ -474,13 +478,7 @@ def test_eviction_follows_global_recency_across_mounts(mounts, gluster):
         ledger = lay.ledger.get()
     finally:
         lay.close()
-    evicted = set(group) - survivors
-    assert stats["evicted_files"] == len(evicted), stats  # all evicted by A's stores
-    assert len(evicted) >= 8, (evicted, stats)
-    assert set(A[4:]) <= evicted and evicted & set(B), evicted  # B's files went too
-    assert max(group[k] for k in evicted) <= min(group[k] for k in survivors), (
-        sorted(evicted), sorted(survivors))
-    assert not evicted & set(A[:4] + B[:2])  # read on the other node: kept
+    evicted = check_lru_order(group, survivors, stats, A, B)
     assert brick_ledger(bricks, rel_base) == ledger == brick_usage(bricks, rel_base)[1] <= bound
     _report({"test": "global_lru_order", "layout": layout, "evicted": sorted(evicted),
              "mtime_coherence_s": round(lag, 3), "bound_bytes": bound,

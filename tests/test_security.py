@@ -12,7 +12,15 @@ import subprocess
 import sys
 
 import pytest
-from helpers.kvutil import BLOCK, REPO, finish, list_files, payload, tree_snapshot
+from helpers.kvutil import (
+    BLOCK,
+    REPO,
+    assert_config_error_names_key,
+    finish,
+    list_files,
+    payload,
+    tree_snapshot,
+)
 
 import kvcache_core.io as kio
 from kvcache_core.config import ConfigError, StorageConfig, default_root_dir
@@ -192,11 +200,7 @@ def test_existing_directories_and_files_keep_their_mode(tmp_path, ns, umask):
     ("allow_foreign_root", 1),
 ])
 def test_bad_modes_name_the_key(key, value):
-    with pytest.raises(ConfigError) as ei:
-        StorageConfig.from_dict({key: value})
-    assert f"'{key}'" in str(ei.value), str(ei.value)
-    with pytest.raises(ConfigError, match=f"'{key}'"):
-        StorageConfig.from_json(json.dumps({key: value}))
+    assert_config_error_names_key(key, value)
 
 
 @pytest.mark.parametrize("value,expect", [

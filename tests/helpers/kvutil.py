@@ -326,3 +326,19 @@ class GatedReadEngine:
                 super().wait(timeout_s if timeout_s is not None else 0.05)
 
         return _Gated()
+
+
+def assert_config_error_names_key(key: str, value: object) -> None:
+    """``{key: value}`` is refused by StorageConfig, from a dict and from JSON, with a
+    ConfigError that names the key."""
+    import json
+
+    import pytest
+
+    from kvcache_core.config import ConfigError, StorageConfig
+
+    with pytest.raises(ConfigError) as ei:
+        StorageConfig.from_dict({key: value})
+    assert f"'{key}'" in str(ei.value), str(ei.value)
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        StorageConfig.from_json(json.dumps({key: value}))

@@ -227,3 +227,27 @@ if __name__ == "__main__":
               int(args[7]), args[8], ctl=args[1], method="auto")
     else:
         raise SystemExit(f"unknown mode {mode}")
+
+
+def lru_order_groups(a_keys: list[str], b_keys: list[str]) -> dict[str, int]:
+    """The global-LRU-order scenario (tests/test_global_lru.py and its GlusterFS twin):
+    node A published ``a_keys``, node B ``b_keys``, then B read A's first four and A read
+    B's first two. Key -> recency group (0 = least recently used)."""
+    return {**{k: 0 for k in a_keys[4:]}, **{k: 1 for k in b_keys[2:]},
+            **{k: 2 for k in a_keys[:4]}, **{k: 3 for k in b_keys[:2]}}
+
+
+def check_lru_order(group: dict[str, int], survivors: set[str], stats: dict,
+                    a_keys: list[str], b_keys: list[str]) -> set[str]:
+    """That scenario's verdict after A's new stores evicted: every eviction was A's, at
+    least 8 files went, A's unread files all went and some of B's, the evicted files are a
+    prefix of the global recency order (ties within a group), and the files each node
+    read on the other's behalf stayed. Returns the evicted keys."""
+    evicted = set(group) - survivors
+    assert stats["evicted_files"] == len(evicted), stats  # all evicted by A's stores
+    assert len(evicted) >= 8, (evicted, stats)
+    assert set(a_keys[4:]) <= evicted and evicted & set(b_keys), evicted  # B's went too
+    assert max(group[k] for k in evicted) <= min(group[k] for k in survivors), (
+        sorted(evicted), sorted(survivors))
+    assert not evicted & set(a_keys[:4] + b_keys[:2])  # read by the other node: kept
+    return evicted
