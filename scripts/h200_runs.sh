@@ -191,12 +191,31 @@ case "$STEP" in
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         .gpu/extra/*.whl
     fi
+    # VARIANTS="NAME=BASE:KEY=JSON[;KEY=JSON] ...": py-kvcache configurations with extra
+    # keys beside the others (list NAME in CONFIGS), e.g.
+    # VARIANTS=kvcache_admit=kvcache:eviction_policy=lru-admit. PROFILE=cfg,cfg (and
+    # PROFILE_IDLE=1) as in the sharegpt step: py-spy summaries in $RES/pyspy-<cfg>.txt.
+    VAR=()
+    for v in ${VARIANTS:-}; do VAR+=(--variant "$v"); done
+    if [ -n "${PROFILE:-}" ]; then
+      W=$(ls .gpu/extra/py_spy-*.whl | head -1)
+      python3 -m zipfile -e "$W" /tmp/pyspyw
+      PYSPY=$(find /tmp/pyspyw -name py-spy -type f | head -1); chmod +x "$PYSPY"
+      VAR+=(--profile "$PROFILE" --py-spy "$PYSPY" --profile-rate 100)
+      if [ -n "${PROFILE_IDLE:-}" ]; then VAR+=(--profile-idle); fi
+    fi
     python3 -m kvcache_core.bench.sharegpt run --model "configs/models/$M" \
-      --workload "$WL" --root "$ROOT" --json "$RES/replay-$WN-$M.json" \
+      --workload "$WL" --root "$ROOT" --json "$RES/replay-$WN$SFX-$M.json" "${VAR[@]}" \
       --machine "H200 (GPU machine)" --n "${N:-0}" --rate "${RATE:-2}" \
       --rounds "${ROUNDS:-1}" --timeout "${TIMEOUT:-300}" --parallel "${KVX[@]}" \
       --kv-cache-memory-bytes "${KVMEM:-21474836480}" --gpu-memory-utilization "${GMU:-0.2}" \
       --configs "${CONFIGS:-prefix_cache,native_cpu,native_fs,kvcache}" || true
+    for f in "$ROOT"/work/*.pyspy.txt; do
+      [ -f "$f" ] || continue
+      c=$(basename "$f" .pyspy.txt)
+      python3 scripts/pyspy_report.py --rate 100 "$f" --json "$RES/pyspy-$c.json" \
+        > "$RES/pyspy-$c.txt" 2>&1 || true
+    done
     cp "$ROOT"/work/*.log "$RES/" 2>/dev/null || true ;;
   scbench)
     # issue 10 item 3: SCBench-like multi-turn: 4 shared contexts of $TOKENS tokens visited

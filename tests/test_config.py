@@ -58,6 +58,9 @@ def test_config_unknown_key_is_named():
     ("durable", "yes"),
     ("durable", 1),
     ("verify_checksum", "no"),
+    ("switch_interval_s", -0.001),
+    ("switch_interval_s", 0.5),
+    ("switch_interval_s", True),
 ])
 def test_config_bad_value_names_the_key(key, value):
     assert_config_error_names_key(key, value)

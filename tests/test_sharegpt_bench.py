@@ -577,3 +577,35 @@ def test_kv_extra_reaches_every_py_kvcache_config_only(tmp_path):
     for cfg in ("native_cpu", "native_fs"):
         assert "eviction_policy" not in S.transfer_config(cfg, args)["kv_connector_extra_config"]
     assert "kv_connector_extra_config" not in S.transfer_config("lmcache", args)
+
+
+def test_variant_runs_a_py_kvcache_config_with_extra_keys_under_its_own_name(tmp_path):
+    """``--variant NAME=BASE:K=V;K=V`` (VARIANTS of scripts/h200_runs.sh): NAME is BASE's
+    configuration plus those keys (on top of --kv-extra), with its own cache root; the
+    other configurations are untouched; bad specs are refused with the expected form."""
+    args = S.build_parser().parse_args(
+        ["run", "--model", "/m", "--root", str(tmp_path), "--kv-extra", "io_timeout_s=10",
+         "--variant", "kvcache_admit=kvcache:eviction_policy=lru-admit;switch_interval_s=0",
+         "--gate-table", "/t/b.json"])
+    args._max_disk_bytes = 0
+    args._variants = {n: (b, kv) for n, b, kv in args.variant}
+    assert S.base_config("kvcache_admit", args._variants) == "kvcache"
+    var = S.transfer_config("kvcache_admit", args)["kv_connector_extra_config"]
+    base = S.transfer_config("kvcache", args)["kv_connector_extra_config"]
+    assert var.pop("root_dir") == str(tmp_path / "kvcache_admit")
+    assert base.pop("root_dir") == str(tmp_path / "kvcache")
+    assert var.pop("eviction_policy") == "lru-admit" and var.pop("switch_interval_s") == 0
+    assert "eviction_policy" not in base and var == base
+    assert base["io_timeout_s"] == 10 and base["breakeven_table"] == "/t/b.json"
+    for bad in ("kvcache_x=kvcache", "other=kvcache:a=1", "kvcache_x=native_cpu:a=1",
+                "kvcache=kvcache_dram:a=1", "kvcache x=kvcache:a=1"):
+        with pytest.raises(SystemExit):
+            S.build_parser().parse_args(["run", "--model", "/m", "--variant", bad])
+    # the table names what each variant is
+    out = {"model": "m", "machine": "cpu", "n_requests": 1, "rate": 1.0, "cpu_bytes": 1 << 30,
+           "variants": {"kvcache_admit": {"base": "kvcache",
+                                          "kv_extra": {"eviction_policy": "lru-admit"}}},
+           "results": [{"config": "kvcache_admit", "mean_ttft_s": 0.1}]}
+    S.write_table(out, str(tmp_path / "t.md"))
+    assert '`kvcache_admit` = `kvcache` with `eviction_policy="lru-admit"`' in (
+        tmp_path / "t.md").read_text()

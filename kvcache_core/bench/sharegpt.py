@@ -591,6 +591,29 @@ def prepare_model_dir(model: str, work: str) -> str:
     return d
 
 
+def base_config(cfg: str, variants: dict[str, tuple[str, list]]) -> str:
+    """The configuration a ``--variant`` name stands for (``cfg`` itself if not one)."""
+    return variants[cfg][0] if cfg in variants else cfg
+
+
+def _variant(text: str) -> tuple[str, str, list[tuple[str, Any]]]:
+    """``NAME=BASE:KEY=JSON[;KEY=JSON...]`` of ``--variant``: a py-kvcache configuration
+    ``BASE`` with extra config keys, run and reported under ``NAME`` (which must start
+    with ``kvcache`` and not be a built-in configuration name)."""
+    from .longdoc import _kv_extra
+
+    name, sep, rest = text.partition("=")
+    base, sep2, keys = rest.partition(":")
+    if not (sep and sep2 and keys and name.startswith("kvcache") and name not in ALL_CONFIGS
+            and base.startswith("kvcache") and base in ALL_CONFIGS
+            and name.replace("_", "").isalnum()):
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: expected NAME=BASE:KEY=JSON[;KEY=JSON], NAME a new "
+            "name made of letters, digits and '_' starting with 'kvcache', BASE one of "
+            + ", ".join(c for c in ALL_CONFIGS if c.startswith("kvcache")))
+    return name, base, [_kv_extra(kv) for kv in keys.split(";") if kv]
+
+
 def transfer_config(cfg: str, args) -> dict | None:
     """The kv-transfer-config of one configuration: the long-document benchmark's,
     with ``--cpu-bytes`` of host memory for native_cpu, native_fs's CPU tier and
@@ -601,12 +624,15 @@ def transfer_config(cfg: str, args) -> dict | None:
         return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     from .longdoc import transfer_config as longdoc_config
 
-    name, cfg = cfg, ("kvcache_dram_gate" if cfg == "kvcache" else cfg)
+    variants = getattr(args, "_variants", None) or {}
+    name, cfg = cfg, base_config(cfg, variants)
+    cfg = "kvcache_dram_gate" if cfg == "kvcache" else cfg
 
     ns = SimpleNamespace(root=args.root, docs=1, staging_bytes=args.staging_bytes,
                          io_depth=args.io_depth, preload_lookahead=args.preload_lookahead,
                          gate_table_path=getattr(args, "gate_table", None),
-                         kv_extra=getattr(args, "kv_extra", None) or [])
+                         kv_extra=list(getattr(args, "kv_extra", None) or [])
+                         + variants.get(name, ("", []))[1])
     # longdoc sizes every CPU/DRAM tier as doc_bytes * 1.3 (* docs, here 1)
     tc = longdoc_config(cfg, ns, int(args.cpu_bytes / 1.3))
     if tc is not None and cfg.startswith("kvcache"):
@@ -1073,6 +1099,17 @@ def write_table(out: dict, path: str) -> None:
             f"{_f(r.get('throughput_rps'), 2)} | {'-' if cp is None else f'{cp:.0%}'} | "
             f"{num(r, 'stores')} | {num(r, 'stores_dropped_backpressure')} | "
             f"{num(r, 'hits_dram')} | {num(r, 'hits_disk')} | {r.get('n_errors', 0)} |")
+    notes = []
+    if out.get("kv_extra"):
+        notes.append("Extra config keys of every py-kvcache configuration: "
+                     + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in out["kv_extra"].items())
+                     + ".")
+    for n, v in (out.get("variants") or {}).items():
+        notes.append(f"`{n}` = `{v['base']}` with "
+                     + ", ".join(f"`{k}={json.dumps(x)}`" for k, x in v["kv_extra"].items())
+                     + ".")
+    if notes:
+        lines += [""] + notes
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -1160,7 +1197,8 @@ def _disk_budget(args, reqs: list[dict], configs: list[str]) -> dict:
     kvb = kv_bytes_per_token(args.model)
     need = int(st["unique_block_tokens"] * kvb * 1.03)
     free = shutil.disk_usage(args.root).free
-    disky = [c for c in configs if c in DISK_CONFIGS]
+    variants = getattr(args, "_variants", None) or {}
+    disky = [c for c in configs if base_config(c, variants) in DISK_CONFIGS]
     args._max_disk_bytes = args.max_disk_bytes
     if args.max_disk_bytes < 0:  # auto: every disk tier under --root gets an equal share
         share = int(free * 0.8) // max(1, len(disky))
@@ -1178,13 +1216,16 @@ def _disk_budget(args, reqs: list[dict], configs: list[str]) -> dict:
 
 def cmd_run(args) -> int:
     configs = [c for c in args.configs.split(",") if c]
-    bad = [c for c in configs if c not in ALL_CONFIGS]
+    args._variants = {n: (b, kv) for n, b, kv in args.variant}
+    bad = [c for c in configs if c not in ALL_CONFIGS and c not in args._variants]
     if bad:
-        raise SystemExit(f"unknown config(s) {bad}; choose from {', '.join(ALL_CONFIGS)}")
+        raise SystemExit(f"unknown config(s) {bad}; choose from {', '.join(ALL_CONFIGS)} "
+                         "or a --variant name")
+    bases = [base_config(c, args._variants) for c in configs]
     if "lmcache" in configs and importlib.util.find_spec("lmcache") is None:
         raise SystemExit("the lmcache configuration needs LMCache installed (pip install "
                          "lmcache==0.5.2; on the GPU machine carry its wheels)")
-    if any(c in GATED for c in configs):
+    if any(c in GATED for c in bases):
         if not args.gate_table:
             args.gate_table = os.path.join(
                 "docs", "results", "h200",
@@ -1240,11 +1281,15 @@ def cmd_run(args) -> int:
     def publish() -> None:
         rows = old + [combine_rounds(per_cfg[c]) for c in configs if per_cfg[c]]
         order = {c: i for i, c in enumerate(ALL_CONFIGS)}
-        out["results"] = sorted(rows, key=lambda r: order.get(r["config"], 99))
+        out["results"] = sorted(rows, key=lambda r: (
+            order.get(base_config(r["config"], args._variants), 99), r["config"]))
         save(args, out)
 
     if args.kv_extra:
         out["kv_extra"] = dict(args.kv_extra)
+    if args._variants:
+        out["variants"] = {n: {"base": b, "kv_extra": dict(kv)}
+                           for n, (b, kv) in args._variants.items() if n in configs}
     if args.parallel:
         out["parallel"] = True
         out["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
@@ -1402,6 +1447,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--staging-bytes", type=int, default=1 << 30,
                    help="py-kvcache staging_bytes (kvcache configs)")
     r.add_argument("--io-depth", type=int, default=8, help="py-kvcache io_depth")
+    r.add_argument("--variant", action="append", default=[], type=_variant,
+                   metavar="NAME=BASE:KEY=JSON[;KEY=JSON]",
+                   help="a py-kvcache configuration BASE (e.g. kvcache) with extra config "
+                   "keys, run beside the others under NAME (list it in --configs), e.g. "
+                   "kvcache_admit=kvcache:eviction_policy=\"lru-admit\" (repeatable)")
     r.add_argument("--kv-extra", action="append", default=[], metavar="KEY=JSON",
                    type=_kv_extra,
                    help="extra py-kvcache config key for every py-kvcache configuration, "

@@ -120,7 +120,8 @@ class PyKVCacheWorker(OffloadingWorker):
                 verify=storage.verify_checksum, on_complete=self._on_complete,
                 name=f"kvcache-reactor-r{rank}",
                 trace=bool(os.environ.get("KVCACHE_TRACE")), early_store_ack=True,
-                store_policy="drop", io_timeout_s=storage.io_timeout_s)
+                store_policy="drop", io_timeout_s=storage.io_timeout_s,
+                switch_interval=storage.switch_interval_s or None)
         except BaseException:
             self.layout.close()
             raise

@@ -272,3 +272,21 @@ def test_worker_watchdog_gives_up_a_stuck_reactor(tmp_path, vllm_available):
     finally:
         release.set()
         w.shutdown()
+
+
+def test_worker_switch_interval_key(tmp_path, vllm_available):
+    """``switch_interval_s`` reaches the reactor: the default lowers the interpreter's
+    switch interval to 0.5 ms when it is larger; 0 leaves it alone."""
+    import sys
+
+    old = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        w = _make_worker(tmp_path / "a", switch_interval_s=0)
+        w.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        w = _make_worker(tmp_path / "b")
+        w.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(old)
