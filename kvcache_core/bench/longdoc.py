@@ -282,6 +282,11 @@ async def _worker(args) -> dict:
                 row["load_wall_s"] = time.perf_counter() - t0
                 row["ttft_hit_all"] = hits
                 row["hit_docs"] = order
+                if args.sample_interval:
+                    # the parent samples this tree on a grid: stay alive for two more
+                    # samples, so that one falls after the last request's end and the
+                    # window delta (scbench.window_delta) holds every read of the phase
+                    await asyncio.sleep(2.5 * args.sample_interval)
             out["rows"].append(row)
             log(f"{args.config}/{args.phase} D={d}: " + ", ".join(
                 f"{k}={statistics.median(v):.3f}s" for k, v in row.items()
@@ -316,7 +321,8 @@ def _run_child(args, config: str, phase: str, timeout: float,
            "--fresh-frac", str(args.fresh_frac), "--gpu-blocks", str(args.gpu_blocks),
            "--preload-lookahead",
            str(args.preload_lookahead), "--gate-table-path", args.gate_table_path or "",
-           "--workload", args.workload, "--question-tokens", str(args.question_tokens)]
+           "--workload", args.workload, "--question-tokens", str(args.question_tokens),
+           "--sample-interval", str(sample)]
     for k, v in args.kv_extra:
         cmd += ["--kv-extra", f"{k}={json.dumps(v)}"]
     env = dict(os.environ, PYTHONHASHSEED="0",

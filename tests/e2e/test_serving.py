@@ -253,8 +253,12 @@ def test_two_engines_on_two_glusterfs_mounts(reference, model_dir, workdir, moun
     s1, s2 = r1["stats"]["final"], r2["stats"]["final"]
     assert s2["chunks_loaded_disk"] >= 3 and s1["files_corrupt"] == s2["files_corrupt"] == 0
     # B's three files were published once across the two mounts (the loser of the race
-    # counts the file as existing), A's three by the first engine
-    assert s1["stores_written"] + s2["stores_written"] == 6, (s1, s2)
+    # counts the file as existing), A's three by the first engine. The one allowed surplus:
+    # a B block both renamed at once because a GlusterFS client's stale negative lookup hid
+    # the other mount's just-published name (identical content-addressed file, counted by
+    # both: Layout._publish_rename); six files remain either way.
+    written = s1["stores_written"] + s2["stores_written"]
+    assert 6 <= written <= 6 + len(H.PROMPTS["B"]) // H.CHUNK, (s1, s2)
     assert len(H.cache_files(root1)) == len(H.cache_files(root2)) == 6
     print(f"{layout}: A visible on the second mount {lag:.3f} s after the first engine "
           f"drained")
@@ -297,8 +301,15 @@ def test_two_engines_evict_under_one_bound_on_two_glusterfs_mounts(reference, mo
     assert read_ledger(base) == on_disk  # the coherent (xattr) ledger on FUSE
     written = s1.get("stores_written", 0) + s2.get("stores_written", 0)
     evicted = s1.get("disk_evicted_files", 0) + s2.get("disk_evicted_files", 0)
-    # every file published across the two mounts is either still there or was evicted
-    assert written - evicted == len(files), (s1, s2)
+    # every file published across the two mounts is either still there or was evicted;
+    # the one allowed surplus is a block of A (the only prompt both engines store) that
+    # both published at once: a GlusterFS client's stale negative lookup can hide the
+    # other mount's just-published name, so both rename the identical content-addressed
+    # file (Layout._publish_rename) and both count it. Never fewer: a file that is there
+    # was counted, and an eviction is counted once (Layout._removed_elsewhere).
+    a_blocks = len(H.PROMPTS["A"]) // H.CHUNK
+    double = written - evicted - len(files)
+    assert 0 <= double <= a_blocks, (double, len(files), s1, s2)
     assert written > 4 and evicted >= 1, (s1, s2)  # the bound really had to evict
     for s in (s1, s2):
         assert s.get("files_corrupt", 0) == 0 and s.get("store_errors", 0) == 0, s
