@@ -124,6 +124,11 @@ KEY_HELP: dict[str, str] = {
     "(0.0005 s; CPython's default 0.005 s throttled disk loads 4x, scripts/bench_gil.py). "
     "A smaller interval also makes vLLM's own thread hand the GIL over more often. 0 leaves "
     "the interpreter's setting alone. Default 0.0005.",
+    "switch_interval_scope": "When switch_interval_s applies: 'process' (set once when the "
+    "worker starts, for the life of vLLM's process) or 'loads' (only while at least one "
+    "load from py-kvcache is in flight; the interpreter's own interval otherwise, so vLLM's "
+    "engine loop and its other Python threads are not made to hand the GIL over every "
+    "0.5 ms while py-kvcache has nothing to load). Default 'process'.",
     "integrity_key_file": "Path of a file holding a secret (>= 16 bytes; not readable by "
     "every user) shared by the processes that trust each other. Every block then carries a "
     "keyed BLAKE3 over header and payload, and a block that does not verify (forged by "
@@ -159,6 +164,7 @@ class StorageConfig:
     verify_checksum: bool = True
     io_timeout_s: float = 30.0
     switch_interval_s: float = 0.0005
+    switch_interval_scope: str = "process"
     integrity_key_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -186,6 +192,8 @@ class StorageConfig:
         need(isinstance(self.switch_interval_s, (int, float)) and not isinstance(
             self.switch_interval_s, bool) and 0 <= self.switch_interval_s <= 0.1,
              "switch_interval_s", "must be a number of seconds in 0..0.1 (0 = leave it)")
+        need(self.switch_interval_scope in ("process", "loads"), "switch_interval_scope",
+             "must be 'process' or 'loads'")
         need(self.integrity_key_file is None or (
             isinstance(self.integrity_key_file, str) and self.integrity_key_file != ""),
             "integrity_key_file", "must be a file path (string) or null")

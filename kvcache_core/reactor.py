@@ -116,6 +116,37 @@ class _CancelMsg(NamedTuple):
 #: interpreter switch interval the reactor sets when the current one is larger (None: keep)
 SWITCH_INTERVAL_S = 0.0005
 
+#: process-wide holds of a lowered switch interval (``switch_interval_scope="loads"``):
+#: the count of load requests in flight over every such reactor of the process, the
+#: interval the interpreter had before the first hold, and the lowest asked for
+_si_lock = threading.Lock()
+_si_holds = 0
+_si_saved = 0.0
+
+
+def _si_hold(low: float) -> None:
+    """Lower the interpreter switch interval to ``low`` (if larger) for one more holder.
+    Any thread; taken once per load request, not per block."""
+    global _si_holds, _si_saved
+    with _si_lock:
+        cur = sys.getswitchinterval()
+        if _si_holds == 0:
+            _si_saved = cur
+        _si_holds += 1
+        if cur > low:
+            sys.setswitchinterval(low)
+
+
+def _si_release() -> None:
+    """End one :func:`_si_hold`; the last one restores the interval seen by the first."""
+    global _si_holds
+    with _si_lock:
+        if _si_holds <= 0:
+            return
+        _si_holds -= 1
+        if _si_holds == 0:
+            sys.setswitchinterval(_si_saved)
+
 
 @dataclass
 class Completion:
@@ -219,6 +250,12 @@ class Reactor(LoadRouting):
     ``switch_interval``: the reactor lowers ``sys.setswitchinterval`` to this (process
     wide) when it is larger, because GIL handoffs with a busy host process (vLLM's engine
     loop) otherwise throttle it; ``None`` leaves the interpreter alone.
+    ``switch_interval_scope``: ``"process"`` lowers it once, here, for the life of the
+    process; ``"loads"`` lowers it only while at least one load request is in flight in
+    any such reactor of the process (the reactor thread holds it from a load's arrival to
+    its completion) and restores the interpreter's own value after the last one, so that
+    vLLM's engine loop and its other Python threads (output serialization, sockets) keep
+    CPython's longer interval while py-kvcache has no request waiting on a load.
     Items are ``(key, ref, nbytes)`` or ``(key, ref, nbytes, slot, flags)``: ``slot`` >= 0
     names an external slot (index ``n_slots + i``) owned by the caller for the whole
     request; a load with ``IN_SLOT`` takes the bytes already in that slot (no disk), a
@@ -235,6 +272,7 @@ class Reactor(LoadRouting):
                  on_complete: Callable[[Completion], None] | None = None,
                  name: str = "kvcache-reactor",
                  switch_interval: float | None = SWITCH_INTERVAL_S,
+                 switch_interval_scope: str = "process",
                  trace: bool = False, early_store_ack: bool = False,
                  store_policy: str = "wait", write_depth: int | None = None,
                  io_timeout_s: float = 0.0) -> None:
@@ -248,7 +286,14 @@ class Reactor(LoadRouting):
         self._next_expire = 0.0
         self.layout = layout
         self.slot_bytes = layout.ns.file_bytes
-        if switch_interval is not None and sys.getswitchinterval() > switch_interval:
+        if switch_interval_scope not in ("process", "loads"):
+            raise ValueError("switch_interval_scope must be 'process' or 'loads', got "
+                             f"{switch_interval_scope!r}")
+        #: "loads" scope: the interval held while loads are in flight (None: not held)
+        self._si_low = switch_interval if switch_interval_scope == "loads" else None
+        self._loads_inflight = 0  # load requests in self._reqs (reactor thread only)
+        if (self._si_low is None and switch_interval is not None
+                and sys.getswitchinterval() > switch_interval):
             # The reactor is a Python thread: inside vLLM it shares the GIL with the engine's
             # busy loop, and every I/O completion needs the GIL back. With CPython's default
             # 5 ms switch interval that handoff dominates (scripts/bench_gil.py: 0.8 vs
@@ -474,6 +519,9 @@ class Reactor(LoadRouting):
         self._running = False
         self.engine.wake()
         self._thread.join(timeout=30)
+        if self._loads_inflight and not self._thread.is_alive():  # loads never completed
+            self._loads_inflight = 0
+            _si_release()
         self.engine.shutdown()
         self.pool.close()
 
@@ -559,6 +607,10 @@ class Reactor(LoadRouting):
             self._complete(req)
             return
         self._reqs[req_id] = req
+        if kind == LOAD and self._si_low is not None:
+            if self._loads_inflight == 0:
+                _si_hold(self._si_low)
+            self._loads_inflight += 1
         for i, item in enumerate(items):
             t = self._new_task()
             t.kind, t.key, t.ref, t.nbytes = kind, item[0], item[1], item[2]
@@ -1178,7 +1230,16 @@ class Reactor(LoadRouting):
         req.remaining -= 1
         if req.remaining == 0:
             self._reqs.pop(req.req_id, None)
+            self._end_load(req)
             self._complete(req)
+
+    def _end_load(self, req: Request) -> None:
+        """A request left ``_reqs``: the last load in flight ends this reactor's hold on
+        the lowered switch interval (``switch_interval_scope="loads"``)."""
+        if req.kind == LOAD and self._si_low is not None and self._loads_inflight > 0:
+            self._loads_inflight -= 1
+            if self._loads_inflight == 0:
+                _si_release()
 
     def _free(self, t: Task, ext_slot: int) -> None:
         """Recycle a finished task and hand its caller-owned slot (``ext_slot`` >= 0) to
@@ -1299,6 +1360,7 @@ class Reactor(LoadRouting):
         thread; :meth:`_fail_inbox` also on client threads for later submissions."""
         for req in list(self._reqs.values()):
             req.remaining = 0
+            self._end_load(req)
             self._complete(req)
         self._reqs.clear()
         self._fail_inbox()

@@ -437,6 +437,44 @@ def test_foreground_load_requeues_open_speculative_file(make_layout, make_reacto
     assert r.stats.loads_ok == 3
 
 
+def test_switch_interval_scope_loads_holds_it_only_while_loads_are_in_flight(
+        make_layout, make_reactor):
+    """``switch_interval_scope="loads"``: starting the reactor and storing leave the
+    interpreter's switch interval alone; a load in flight lowers it; a second load that
+    ends while the first is still in flight (a miss: device copies complete in order, so
+    a hit would wait for the first) does not restore it; the last one does."""
+    lay = make_layout()
+    gate = threading.Event()
+    held = sentinel_buf(BLOCK)
+    col = Collector()
+    old = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        r = make_reactor(lay, n_slots=4, io_depth=2, on_complete=col,
+                         switch_interval_scope="loads",
+                         copier=gated_copier_factory(gate, {id(held)}))
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        a = b"slow-load"
+        store_all(r, [a])
+        assert finish(r)["store"].ok == [True]
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        r.load("slow", [(a, held, BLOCK)])  # its device copy waits for the gate
+        assert wait_until(lambda: sys.getswitchinterval() == pytest.approx(0.0005))
+        r.load("miss", [(b"never-stored", sentinel_buf(BLOCK), BLOCK)])
+        assert col.get("miss", timeout=10).ok == [False]
+        assert "slow" not in col.done
+        assert sys.getswitchinterval() == pytest.approx(0.0005)  # "slow" still in flight
+        gate.set()
+        assert finish(r)["slow"].ok == [True]
+        check_dests([a], [held])
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        with pytest.raises(ValueError, match="switch_interval_scope"):
+            make_reactor(lay, switch_interval_scope="always")
+    finally:
+        gate.set()
+        sys.setswitchinterval(old)
+
+
 def test_cancel_of_a_queued_request(make_layout, make_reactor):
     lay = make_layout()
     gate = threading.Event()

@@ -121,7 +121,8 @@ class PyKVCacheWorker(OffloadingWorker):
                 name=f"kvcache-reactor-r{rank}",
                 trace=bool(os.environ.get("KVCACHE_TRACE")), early_store_ack=True,
                 store_policy="drop", io_timeout_s=storage.io_timeout_s,
-                switch_interval=storage.switch_interval_s or None)
+                switch_interval=storage.switch_interval_s or None,
+                switch_interval_scope=storage.switch_interval_scope)
         except BaseException:
             self.layout.close()
             raise
