@@ -13,7 +13,9 @@ Configurations: ``prefix_cache`` (vLLM's GPU prefix cache, no connector),
 says the disk never pays: ``manager.disk_stores = False``), ``kvcache_disk`` (DRAM tier
 and write-through files), ``kvcache_nodram`` (files only, no DRAM tier),
 ``noop_connector`` (scripts/noop_kv_connector.py: a connector whose hooks do nothing, what
-vLLM's own connector machinery costs).
+vLLM's own connector machinery costs), ``kvcache_dram_torchcopy`` (kvcache_dram with the
+CPU copies done by torch ``copy_`` on the reactor thread, as before the fix in
+docs/results/cpu/step-overhead.md: env ``KVCACHE_CPU_COPY=torch``).
 ``--repeats`` runs the whole list that many times, interleaved (this box's speed drifts
 by tens of percent over minutes), and reports medians over repeats.
 
@@ -46,7 +48,8 @@ sys.path.insert(0, REPO)
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-CONFIGS = ("prefix_cache", "kvcache_dram", "kvcache_disk", "kvcache_nodram", "noop_connector")
+CONFIGS = ("prefix_cache", "kvcache_dram", "kvcache_disk", "kvcache_nodram", "noop_connector",
+           "kvcache_dram_torchcopy")
 
 
 def _prompts(args, rnd: int) -> list[list[int]]:
@@ -90,6 +93,8 @@ def child(args) -> dict:
     from vllm import SamplingParams
 
     cfg = args.child
+    if cfg == "kvcache_dram_torchcopy":
+        os.environ["KVCACHE_CPU_COPY"] = "torch"
     model = H.write_model(os.path.join(args.workdir, "tiny-llama"))
     root = os.path.join(args.workdir, f"cache-{cfg}")
     shutil.rmtree(root, ignore_errors=True)
@@ -119,7 +124,7 @@ def child(args) -> dict:
     if extra is not None:
         conn = H.scheduler_connector(llm)
         cs = conn.connector_scheduler
-        if cfg == "kvcache_dram":
+        if cfg in ("kvcache_dram", "kvcache_dram_torchcopy"):
             conn._sched.manager.disk_stores = False
         worker = H._our_worker(conn) if conn._work is not None else None
         if worker is None:  # in-process executor: the worker-role connector

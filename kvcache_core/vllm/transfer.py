@@ -27,6 +27,7 @@ Threads: :class:`KVGeometry` is built by the worker thread and read-only afterwa
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -285,6 +286,18 @@ class KVCopier(Copier):
         self.cuda = geometry.device.type == "cuda"
         self.asynchronous = self.cuda
         self._cx: _CudaExec | None = _CudaExec(geometry, self._pool_t) if self.cuda else None
+        # CPU platform: numpy views (shared memory) of the KV tensors and the pool, copied
+        # with numpy's single-threaded memcpy. A torch ``copy_`` of more than 32 KiB runs
+        # an OpenMP parallel region, and one from a thread other than vLLM's (the reactor)
+        # makes libgomp create a second thread team for the process's whole life; with
+        # more OpenMP threads than CPUs libgomp then cuts its spin-wait to almost nothing
+        # (GOMP_SPINCOUNT), so vLLM's own OpenMP worker sleeps between parallel regions
+        # and every region pays a wake-up: scripts/bench_step_overhead.py measured
+        # vLLM's decode step 1.4x slower (docs/results/cpu/step-overhead.md).
+        # Diagnostic knob (env KVCACHE_CPU_COPY=torch): the torch copy, for that A/B.
+        self._np: tuple[list[np.ndarray], np.ndarray] | None = None
+        if not self.cuda and os.environ.get("KVCACHE_CPU_COPY") != "torch":
+            self._np = ([t.numpy() for t in geometry.flat], self._pool_t.numpy())
 
     # ------------------------------------------------------------------ reactor API
     def to_device(self, slots: list[int], dests: list[Any], nbytes: list[int]) -> Any:
@@ -382,13 +395,22 @@ class KVCopier(Copier):
             return self._cx.run(ops, to_device=to_device, after=after, slot=slot,
                                 direct=direct)
         tix, kvo, plo, szs = (a.tolist() for a in ops)
-        kv, pool = self.g.flat, self._pool_t
+        if self._np is None:  # KVCACHE_CPU_COPY=torch (diagnostic)
+            kv, pool = self.g.flat, self._pool_t
+            if to_device:
+                for t, k, p, n in zip(tix, kvo, plo, szs, strict=True):
+                    kv[t][k:k + n].copy_(pool[p:p + n])
+            else:
+                for t, k, p, n in zip(tix, kvo, plo, szs, strict=True):
+                    pool[p:p + n].copy_(kv[t][k:k + n])
+            return None
+        kv, pool = self._np
         if to_device:
             for t, k, p, n in zip(tix, kvo, plo, szs, strict=True):
-                kv[t][k:k + n].copy_(pool[p:p + n])
+                kv[t][k:k + n] = pool[p:p + n]
         else:
             for t, k, p, n in zip(tix, kvo, plo, szs, strict=True):
-                pool[p:p + n].copy_(kv[t][k:k + n])
+                pool[p:p + n] = kv[t][k:k + n]
         return None
 
 
