@@ -125,10 +125,12 @@ KEY_HELP: dict[str, str] = {
     "A smaller interval also makes vLLM's own thread hand the GIL over more often. 0 leaves "
     "the interpreter's setting alone. Default 0.0005.",
     "switch_interval_scope": "When switch_interval_s applies: 'process' (set once when the "
-    "worker starts, for the life of vLLM's process) or 'loads' (only while at least one "
-    "load from py-kvcache is in flight; the interpreter's own interval otherwise, so vLLM's "
-    "engine loop and its other Python threads are not made to hand the GIL over every "
-    "0.5 ms while py-kvcache has nothing to load). Default 'process'.",
+    "worker starts, for the life of vLLM's process) or 'busy' (only while the reactor has a "
+    "load or store in flight, files of a store included; the interpreter's own interval "
+    "when it is idle, so that vLLM's engine loop and its other Python threads are not made "
+    "to hand the GIL over every 0.5 ms while py-kvcache has nothing to do). An H200 run "
+    "that lowered it for disk loads only made stores and DRAM hits slower. Default "
+    "'process'.",
     "integrity_key_file": "Path of a file holding a secret (>= 16 bytes; not readable by "
     "every user) shared by the processes that trust each other. Every block then carries a "
     "keyed BLAKE3 over header and payload, and a block that does not verify (forged by "
@@ -192,8 +194,8 @@ class StorageConfig:
         need(isinstance(self.switch_interval_s, (int, float)) and not isinstance(
             self.switch_interval_s, bool) and 0 <= self.switch_interval_s <= 0.1,
              "switch_interval_s", "must be a number of seconds in 0..0.1 (0 = leave it)")
-        need(self.switch_interval_scope in ("process", "loads"), "switch_interval_scope",
-             "must be 'process' or 'loads'")
+        need(self.switch_interval_scope in ("process", "busy"), "switch_interval_scope",
+             "must be 'process' or 'busy'")
         need(self.integrity_key_file is None or (
             isinstance(self.integrity_key_file, str) and self.integrity_key_file != ""),
             "integrity_key_file", "must be a file path (string) or null")

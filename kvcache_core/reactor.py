@@ -116,9 +116,9 @@ class _CancelMsg(NamedTuple):
 #: interpreter switch interval the reactor sets when the current one is larger (None: keep)
 SWITCH_INTERVAL_S = 0.0005
 
-#: process-wide holds of a lowered switch interval (``switch_interval_scope="loads"``):
-#: the count of load requests in flight over every such reactor of the process, the
-#: interval the interpreter had before the first hold, and the lowest asked for
+#: process-wide holds of a lowered switch interval (``switch_interval_scope="busy"``):
+#: the count of such reactors of the process with a request in flight, and the interval
+#: the interpreter had before the first hold
 _si_lock = threading.Lock()
 _si_holds = 0
 _si_saved = 0.0
@@ -126,7 +126,7 @@ _si_saved = 0.0
 
 def _si_hold(low: float) -> None:
     """Lower the interpreter switch interval to ``low`` (if larger) for one more holder.
-    Any thread; taken once per load request, not per block."""
+    Any thread; taken when a reactor goes from idle to busy, not per request or block."""
     global _si_holds, _si_saved
     with _si_lock:
         cur = sys.getswitchinterval()
@@ -251,11 +251,13 @@ class Reactor(LoadRouting):
     wide) when it is larger, because GIL handoffs with a busy host process (vLLM's engine
     loop) otherwise throttle it; ``None`` leaves the interpreter alone.
     ``switch_interval_scope``: ``"process"`` lowers it once, here, for the life of the
-    process; ``"loads"`` lowers it only while at least one load request is in flight in
-    any such reactor of the process (the reactor thread holds it from a load's arrival to
-    its completion) and restores the interpreter's own value after the last one, so that
-    vLLM's engine loop and its other Python threads (output serialization, sockets) keep
-    CPython's longer interval while py-kvcache has no request waiting on a load.
+    process; ``"busy"`` lowers it only while this reactor has a request in flight (a load,
+    or a store until its last file is written; the reactor thread holds it from the first
+    request's arrival to the last one's completion) and restores the interpreter's own
+    value when every such reactor of the process is idle, so that vLLM's engine loop and
+    its other Python threads (output serialization, sockets) keep CPython's longer
+    interval while py-kvcache has nothing to do. Stores are included because an H200
+    run that lowered it for disk loads only made stores and DRAM hits slower (README).
     Items are ``(key, ref, nbytes)`` or ``(key, ref, nbytes, slot, flags)``: ``slot`` >= 0
     names an external slot (index ``n_slots + i``) owned by the caller for the whole
     request; a load with ``IN_SLOT`` takes the bytes already in that slot (no disk), a
@@ -286,12 +288,12 @@ class Reactor(LoadRouting):
         self._next_expire = 0.0
         self.layout = layout
         self.slot_bytes = layout.ns.file_bytes
-        if switch_interval_scope not in ("process", "loads"):
-            raise ValueError("switch_interval_scope must be 'process' or 'loads', got "
+        if switch_interval_scope not in ("process", "busy"):
+            raise ValueError("switch_interval_scope must be 'process' or 'busy', got "
                              f"{switch_interval_scope!r}")
-        #: "loads" scope: the interval held while loads are in flight (None: not held)
-        self._si_low = switch_interval if switch_interval_scope == "loads" else None
-        self._loads_inflight = 0  # load requests in self._reqs (reactor thread only)
+        #: "busy" scope: the interval held while requests are in flight (None: not held)
+        self._si_low = switch_interval if switch_interval_scope == "busy" else None
+        self._si_held = False  # whether this reactor holds it (reactor thread only)
         if (self._si_low is None and switch_interval is not None
                 and sys.getswitchinterval() > switch_interval):
             # The reactor is a Python thread: inside vLLM it shares the GIL with the engine's
@@ -519,8 +521,8 @@ class Reactor(LoadRouting):
         self._running = False
         self.engine.wake()
         self._thread.join(timeout=30)
-        if self._loads_inflight and not self._thread.is_alive():  # loads never completed
-            self._loads_inflight = 0
+        if self._si_held and not self._thread.is_alive():  # requests never completed
+            self._si_held = False
             _si_release()
         self.engine.shutdown()
         self.pool.close()
@@ -607,10 +609,9 @@ class Reactor(LoadRouting):
             self._complete(req)
             return
         self._reqs[req_id] = req
-        if kind == LOAD and self._si_low is not None:
-            if self._loads_inflight == 0:
-                _si_hold(self._si_low)
-            self._loads_inflight += 1
+        if self._si_low is not None and not self._si_held:
+            self._si_held = True
+            _si_hold(self._si_low)
         for i, item in enumerate(items):
             t = self._new_task()
             t.kind, t.key, t.ref, t.nbytes = kind, item[0], item[1], item[2]
@@ -1230,16 +1231,15 @@ class Reactor(LoadRouting):
         req.remaining -= 1
         if req.remaining == 0:
             self._reqs.pop(req.req_id, None)
-            self._end_load(req)
+            self._idle_check()
             self._complete(req)
 
-    def _end_load(self, req: Request) -> None:
-        """A request left ``_reqs``: the last load in flight ends this reactor's hold on
-        the lowered switch interval (``switch_interval_scope="loads"``)."""
-        if req.kind == LOAD and self._si_low is not None and self._loads_inflight > 0:
-            self._loads_inflight -= 1
-            if self._loads_inflight == 0:
-                _si_release()
+    def _idle_check(self) -> None:
+        """A request left ``_reqs``: when none is left, this reactor ends its hold on the
+        lowered switch interval (``switch_interval_scope="busy"``)."""
+        if self._si_held and not self._reqs:
+            self._si_held = False
+            _si_release()
 
     def _free(self, t: Task, ext_slot: int) -> None:
         """Recycle a finished task and hand its caller-owned slot (``ext_slot`` >= 0) to
@@ -1358,11 +1358,12 @@ class Reactor(LoadRouting):
         """After the reactor thread died: complete every request in flight and every one
         still in the inbox (items not finished are False). Runs on the dying reactor
         thread; :meth:`_fail_inbox` also on client threads for later submissions."""
-        for req in list(self._reqs.values()):
-            req.remaining = 0
-            self._end_load(req)
-            self._complete(req)
+        reqs = list(self._reqs.values())
         self._reqs.clear()
+        self._idle_check()
+        for req in reqs:
+            req.remaining = 0
+            self._complete(req)
         self._fail_inbox()
 
     def _fail_inbox(self) -> None:

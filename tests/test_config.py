@@ -61,7 +61,7 @@ def test_config_unknown_key_is_named():
     ("switch_interval_s", -0.001),
     ("switch_interval_s", 0.5),
     ("switch_interval_s", True),
-    ("switch_interval_scope", "always"),
+    ("switch_interval_scope", "loads"),
 ])
 def test_config_bad_value_names_the_key(key, value):
     assert_config_error_names_key(key, value)

@@ -437,25 +437,35 @@ def test_foreground_load_requeues_open_speculative_file(make_layout, make_reacto
     assert r.stats.loads_ok == 3
 
 
-def test_switch_interval_scope_loads_holds_it_only_while_loads_are_in_flight(
+def test_switch_interval_scope_busy_holds_it_only_while_requests_are_in_flight(
         make_layout, make_reactor):
-    """``switch_interval_scope="loads"``: starting the reactor and storing leave the
-    interpreter's switch interval alone; a load in flight lowers it; a second load that
-    ends while the first is still in flight (a miss: device copies complete in order, so
-    a hit would wait for the first) does not restore it; the last one does."""
+    """``switch_interval_scope="busy"``: starting the reactor leaves the interpreter's
+    switch interval alone; a store until its file is written and a load lower it; a
+    second request that ends while the first is still in flight (a miss: device copies
+    complete in order, so a hit would wait for the first) does not restore it; the last
+    one does, and so does an idle reactor."""
     lay = make_layout()
     gate = threading.Event()
     held = sentinel_buf(BLOCK)
     col = Collector()
+    wgate = threading.Event()
+    wgate.set()  # writes complete unless a check below holds them
     old = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
         r = make_reactor(lay, n_slots=4, io_depth=2, on_complete=col,
-                         switch_interval_scope="loads",
+                         switch_interval_scope="busy",
+                         engine=GatedWriteEngine(2, wgate),
                          copier=gated_copier_factory(gate, {id(held)}))
         assert sys.getswitchinterval() == pytest.approx(0.005)
         a = b"slow-load"
+        wgate.clear()  # the store's file write does not complete: the store is in flight
         store_all(r, [a])
+        assert wait_until(lambda: sys.getswitchinterval() == pytest.approx(0.0005))
+        assert wait_until(lambda: r.engine.writes_seen >= 1)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        wgate.set()
+        r.engine.wake()
         assert finish(r)["store"].ok == [True]
         assert sys.getswitchinterval() == pytest.approx(0.005)
         r.load("slow", [(a, held, BLOCK)])  # its device copy waits for the gate
@@ -469,9 +479,10 @@ def test_switch_interval_scope_loads_holds_it_only_while_loads_are_in_flight(
         check_dests([a], [held])
         assert sys.getswitchinterval() == pytest.approx(0.005)
         with pytest.raises(ValueError, match="switch_interval_scope"):
-            make_reactor(lay, switch_interval_scope="always")
+            make_reactor(lay, switch_interval_scope="loads")
     finally:
         gate.set()
+        wgate.set()
         sys.setswitchinterval(old)
 
 

@@ -280,7 +280,7 @@ def test_worker_watchdog_gives_up_a_stuck_reactor(tmp_path, vllm_available):
 def test_worker_switch_interval_key(tmp_path, vllm_available):
     """``switch_interval_s`` reaches the reactor: the default lowers the interpreter's
     switch interval to 0.5 ms when it is larger; 0 leaves it alone; with
-    ``switch_interval_scope="loads"`` starting the worker leaves it alone too."""
+    ``switch_interval_scope="busy"`` starting the worker leaves it alone too."""
     import sys
 
     old = sys.getswitchinterval()
@@ -289,9 +289,9 @@ def test_worker_switch_interval_key(tmp_path, vllm_available):
         w = _make_worker(tmp_path / "a", switch_interval_s=0)
         w.shutdown()
         assert sys.getswitchinterval() == pytest.approx(0.005)
-        w = _make_worker(tmp_path / "c", switch_interval_scope="loads")
+        w = _make_worker(tmp_path / "c", switch_interval_scope="busy")
         assert w.reactor._si_low == pytest.approx(0.0005)
-        w.shutdown()  # "loads": lowered only while a load is in flight (test_reactor.py)
+        w.shutdown()  # "busy": lowered only while requests are in flight (test_reactor.py)
         assert sys.getswitchinterval() == pytest.approx(0.005)
         w = _make_worker(tmp_path / "b")
         w.shutdown()
