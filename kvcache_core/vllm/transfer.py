@@ -293,11 +293,12 @@ class KVCopier(Copier):
         # more OpenMP threads than CPUs libgomp then cuts its spin-wait to almost nothing
         # (GOMP_SPINCOUNT), so vLLM's own OpenMP worker sleeps between parallel regions
         # and every region pays a wake-up: scripts/bench_step_overhead.py measured
-        # vLLM's decode step 1.4x slower (docs/results/cpu/step-overhead.md).
-        # Diagnostic knob (env KVCACHE_CPU_COPY=torch): the torch copy, for that A/B.
-        self._np: tuple[list[np.ndarray], np.ndarray] | None = None
+        # vLLM's decode step 1.2-1.4x slower (docs/results/cpu/step-overhead.md).
+        # Diagnostic knob (env KVCACHE_CPU_COPY=torch): the torch tensors themselves (slice
+        # assignment is torch ``copy_``), for that A/B.
+        self._cpu: tuple[Sequence[Any], Any] = (geometry.flat, self._pool_t)
         if not self.cuda and os.environ.get("KVCACHE_CPU_COPY") != "torch":
-            self._np = ([t.numpy() for t in geometry.flat], self._pool_t.numpy())
+            self._cpu = ([t.numpy() for t in geometry.flat], self._pool_t.numpy())
 
     # ------------------------------------------------------------------ reactor API
     def to_device(self, slots: list[int], dests: list[Any], nbytes: list[int]) -> Any:
@@ -395,16 +396,7 @@ class KVCopier(Copier):
             return self._cx.run(ops, to_device=to_device, after=after, slot=slot,
                                 direct=direct)
         tix, kvo, plo, szs = (a.tolist() for a in ops)
-        if self._np is None:  # KVCACHE_CPU_COPY=torch (diagnostic)
-            kv, pool = self.g.flat, self._pool_t
-            if to_device:
-                for t, k, p, n in zip(tix, kvo, plo, szs, strict=True):
-                    kv[t][k:k + n].copy_(pool[p:p + n])
-            else:
-                for t, k, p, n in zip(tix, kvo, plo, szs, strict=True):
-                    pool[p:p + n].copy_(kv[t][k:k + n])
-            return None
-        kv, pool = self._np
+        kv, pool = self._cpu
         if to_device:
             for t, k, p, n in zip(tix, kvo, plo, szs, strict=True):
                 kv[t][k:k + n] = pool[p:p + n]
