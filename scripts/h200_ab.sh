@@ -13,15 +13,21 @@
 # Device call (after staging the runtime), carry [".gpu/before"]:
 #   source /tmp/rt/env.sh && CONFS="kvcache_dram kvcache_disk" bash scripts/h200_ab.sh
 # CONFS, R0 (first round number), ABBUDGET (s, default 430), M (model) narrow a call.
+# A/B of configuration keys instead of commits: BKV / AKV = "key=json key=json" extra
+# py-kvcache keys of the before / after side, and SAMETREE=1 runs both from this tree
+# (no .gpu/before needed), e.g.
+#   SAMETREE=1 AKV=switch_interval_s=0 CONFS=kvcache_disk bash scripts/h200_ab.sh
 set -u
 M=${M:-llama-3.2-3b}; T0=$(date +%s); AFTER=$PWD
 run() { # $1=before|after $2=config $3=round
-  local dir=$AFTER; [ "$1" = before ] && dir=$AFTER/.gpu/before
+  local dir=$AFTER; [ "$1" = before ] && [ -z "${SAMETREE:-}" ] && dir=$AFTER/.gpu/before
+  local kvx=() kv; [ "$1" = before ] && kv=${BKV:-} || kv=${AKV:-}
+  for k in $kv; do kvx+=(--kv-extra "$k"); done
   rm -rf /tmp/ldroot; mkdir -p "/tmp/ab/$1-r$3"
   ( cd "$dir" && export PYTHONPATH=$dir:/tmp/rt:/tmp/site && \
     timeout -k 5 150 python3 -m kvcache_core.bench.longdoc --model "$AFTER/configs/models/$M" \
       --root /tmp/ldroot --machine "H200 (GPU machine)" --append --resume --timeout 140 \
-      --no-probe --json "/tmp/ab/$1-r$3/longdoc-$M.json" --configs "$2" \
+      --no-probe --json "/tmp/ab/$1-r$3/longdoc-$M.json" --configs "$2" "${kvx[@]}" \
       > "/tmp/ab/$1-r$3-$2.log" 2>&1 ); local rc=$?
   echo "$(($(date +%s)-T0))s $1 $2 r$3 rc=$rc"
 }

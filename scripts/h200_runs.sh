@@ -207,7 +207,8 @@ case "$STEP" in
     python3 -m kvcache_core.bench.sharegpt run --model "configs/models/$M" \
       --workload "$WL" --root "$ROOT" --json "$RES/replay-$WN$SFX-$M.json" "${VAR[@]}" \
       --machine "H200 (GPU machine)" --n "${N:-0}" --rate "${RATE:-2}" \
-      --rounds "${ROUNDS:-1}" --timeout "${TIMEOUT:-300}" --parallel "${KVX[@]}" \
+      --rounds "${ROUNDS:-1}" --timeout "${TIMEOUT:-300}" --budget "${BUDGET:-0}" \
+      --parallel "${KVX[@]}" \
       --kv-cache-memory-bytes "${KVMEM:-21474836480}" --gpu-memory-utilization "${GMU:-0.2}" \
       --configs "${CONFIGS:-prefix_cache,native_cpu,native_fs,kvcache}" || true
     for f in "$ROOT"/work/*.pyspy.txt; do
