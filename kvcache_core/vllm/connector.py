@@ -180,11 +180,12 @@ class OffloadingConnector(_VllmOffloadingConnector):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """vLLM's lookup between the two halves of the break-even gate (R9)."""
+        """vLLM's lookup between the two halves of the scheduler side's judgement: the
+        break-even gate (R9) and ``dram_load_sync``."""
         assert self._sched is not None
-        gated = self._sched.begin_lookup(request)
+        judged = self._sched.begin_lookup(request)
         found = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        return self._sched.gate_lookup(request, num_computed_tokens, found) if gated else found
+        return self._sched.end_lookup(request, num_computed_tokens, found) if judged else found
 
     def on_preload_candidates(self, requests: list[Request]) -> None:
         """Patched vLLM, once per step: plan preloads for the waiting ``requests``."""
@@ -193,10 +194,12 @@ class OffloadingConnector(_VllmOffloadingConnector):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        """``request`` got its blocks (it is scheduled): its gate decision is counted."""
+        """``request`` got its blocks (it is scheduled): its gate decision is counted, and
+        a synchronous DRAM load is completed in vLLM's scheduler (``dram_load_sync``)."""
         assert self._sched is not None
         self._sched.after_alloc(request)
-        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self._sched.after_load_job(request, num_external_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -232,10 +235,12 @@ class OffloadingConnector(_VllmOffloadingConnector):
         self._work.start_preloads(self._connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Before the forward pass: preloads (if not started yet), then vLLM's jobs."""
+        """Before the forward pass: preloads (if not started yet), then vLLM's jobs, then
+        the forward pass is ordered after this step's synchronous DRAM loads."""
         assert self._work is not None
         self._work.start_load_kv(self._connector_metadata)
         super().start_load_kv(forward_context, **kwargs)
+        self._work.after_load_submit(self._connector_metadata)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU blocks whose chunk failed to load since the last call (vLLM recomputes)."""

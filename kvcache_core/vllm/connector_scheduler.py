@@ -15,6 +15,12 @@ connector's hooks, one call at a time: nothing here takes a lock. It owns:
   with the manager's deferred write-backs;
 * ``disk_min_prefix_tokens``: requests marked short in the manager (no files) from
   their lookup until the metadata that carries their last store job;
+* ``dram_load_sync``: a hit whose every chunk is in the DRAM tier is loaded in the step
+  that computes its request: the lookup answers vLLM "not asynchronous", the load job
+  vLLM builds for it is completed in vLLM's scheduler at once (vLLM builds store jobs
+  only for requests without a pending load, and this request computes in this step) while
+  the manager keeps its slots pinned (``hold_loads``) until every worker reports the
+  copy done (``sync_done``); the job ids ride in the metadata (``sync_loads``);
 * the workers' reports (:class:`~kvcache_core.vllm.metadata.PyKVCacheWorkerMetadata`):
   failed loads rewind their requests' store cursors (self-healing), then everything goes
   to the manager.
@@ -36,9 +42,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
 )
+from vllm.v1.outputs import KVConnectorOutput
 
 from ..breakeven import Gate, QueueModel, load_table
+from ..config import ConfigError
 from .manager import PyKVCacheManager
 from .metadata import PyKVCacheConnectorMetadata, PyKVCacheWorkerMetadata
 from .options import VllmOptions
@@ -157,6 +166,21 @@ class SchedulerSide:
         #: short requests finished since the last metadata build (their last store job is
         #: built in the next one, still without files)
         self._short_finished: list[str] = []
+        #: ``dram_load_sync``: waiting requests whose last lookup was answered
+        #: synchronous; this step's synchronous load jobs (sent with the metadata); the
+        #: ones not yet reported done by every worker (job id -> ranks so far)
+        self.dram_load_sync: bool = opts.dram_load_sync
+        self._sync_lookup: set[str] = set()
+        self._sync_jobs: list[int] = []
+        self._sync_pending: dict[int, int] = {}
+        self._num_workers: int = int(cs.config.num_workers)
+        if self.dram_load_sync:
+            missing = [a for a in ("_current_batch_load_jobs", "_jobs", "update_connector_output")
+                       if not hasattr(cs, a)]
+            if missing:
+                raise ConfigError("py-kvcache config key 'dram_load_sync': this vLLM's "
+                                  "offloading scheduler lacks " + ", ".join(missing) +
+                                  " (written for vLLM 0.26); set it to false")
         if opts.breakeven_table:
             self._init_gate(opts, opts.breakeven_table, vllm_config)
         dm = opts.disk_min_prefix_tokens
@@ -200,10 +224,30 @@ class SchedulerSide:
         if (self.disk_min_prefix_tokens
                 and request.num_prompt_tokens < self.disk_min_prefix_tokens):
             self.manager.short_requests.add(request.request_id)
-        if self.gate is None:
+        if self.gate is None and not self.dram_load_sync:
             return False
         self.manager.begin_lookup()
         return True
+
+    def end_lookup(self, request: Request, num_computed_tokens: int,
+                   found: tuple[int | None, bool]) -> tuple[int | None, bool]:
+        """vLLM's lookup result ``found`` after :meth:`begin_lookup` returned True: the
+        break-even gate (:meth:`gate_lookup`), then ``dram_load_sync``: a load whose every
+        chunk is in the DRAM tier is answered synchronous (``(n, False)``)."""
+        result = self.gate_lookup(request, num_computed_tokens, found)
+        if not self.dram_load_sync:
+            return result
+        rid = request.request_id
+        n = result[0]
+        if n and result[1]:
+            manager = self.manager
+            # the gate may have kept only the leading DRAM/staged chunks of the prefix
+            tier = manager.lookup_tier() if n == found[0] else manager.lookup_fast_chunks()[1]
+            if tier == "dram":
+                self._sync_lookup.add(rid)
+                return n, False
+        self._sync_lookup.discard(rid)
+        return result
 
     def gate_lookup(self, request: Request, num_computed_tokens: int,
                     found: tuple[int | None, bool]) -> tuple[int | None, bool]:
@@ -274,9 +318,37 @@ class SchedulerSide:
                 for tier, ok in decisions:
                     self.gate.count(tier, ok)
 
+    def after_load_job(self, request: Request, num_external_tokens: int) -> None:
+        """After vLLM's ``update_state_after_alloc`` of ``request`` (scheduled this step):
+        if its lookup was answered synchronous and vLLM built a load job for it, the job
+        is completed in vLLM's scheduler now (as if every worker had reported it: the
+        request computes in this step, and vLLM builds store jobs only for requests
+        without a pending load) while the manager keeps the DRAM slots pinned until the
+        workers report the copy done (:meth:`on_worker_meta`)."""
+        rid = request.request_id
+        if rid not in self._sync_lookup:
+            return
+        self._sync_lookup.discard(rid)
+        if not num_external_tokens:
+            return
+        cs = self._cs
+        job = None
+        for j, t in cs._current_batch_load_jobs.items():
+            if t.req_id == rid:
+                job = j
+        if job is None:  # pragma: no cover - vLLM builds one job per loading request
+            return
+        self.manager.hold_loads(job, rid, cs._jobs[job].keys)
+        cs.update_connector_output(KVConnectorOutput(
+            kv_connector_worker_meta=OffloadingWorkerMetadata(
+                completed_jobs={job: self._num_workers})))
+        self._sync_jobs.append(job)
+        self._sync_pending[job] = 0
+
     def forget(self, request: Request) -> None:
         """``request`` finished (``request_finished*``): drop its state; a short one
         stays marked until the next metadata carries its last store job."""
+        self._sync_lookup.discard(request.request_id)
         self._prefilling.pop(request.request_id, None)
         self._gate_decisions.pop(request.request_id, None)
         if self.disk_min_prefix_tokens:
@@ -296,11 +368,12 @@ class SchedulerSide:
                 short.discard(rid)
             self._short_finished.clear()
         flush = self.manager.take_flush_plan()
-        if not (self._preload_plan or flush):
+        if not (self._preload_plan or flush or self._sync_jobs):
             return meta
         assert isinstance(meta, OffloadingConnectorMetadata), type(meta)
         plan, self._preload_plan = self._preload_plan, []
-        return PyKVCacheConnectorMetadata.extend(meta, plan, flush)
+        sync, self._sync_jobs = self._sync_jobs, []
+        return PyKVCacheConnectorMetadata.extend(meta, plan, flush, sync)
 
     # ------------------------------------------------------------------ worker reports
     def on_worker_meta(self, meta: KVConnectorWorkerMetadata | None) -> None:
@@ -314,6 +387,17 @@ class SchedulerSide:
             self._restore_failed(meta.failed_keys)
         self.manager.on_worker_report(meta.failed_keys, meta.counters, meta.staged,
                                       meta.written, meta.observations)
+        pending = self._sync_pending
+        for job, ranks in meta.sync_done.items():
+            n = pending.get(job)
+            if n is None:
+                continue
+            n += ranks
+            if n >= self._num_workers:
+                del pending[job]
+                self.manager.release_held(job)  # after the failed keys are known
+            else:
+                pending[job] = n
 
     def _restore_failed(self, failed_keys: Collection[bytes]) -> None:
         """Self-healing (issue 12 item 4): a chunk whose load failed is recomputed by its

@@ -89,6 +89,21 @@ class WorkerSide:
         if w is not None and w.reactor.trace is not None:
             w.reactor.trace_event("fwd_start")  # diagnostics: the step's forward begins
 
+    def after_load_submit(self, meta: KVConnectorMetadata | None) -> None:
+        """After vLLM submitted the step's load jobs (``start_kv_transfers``), before the
+        forward pass: the scheduler's synchronous DRAM loads (``meta.sync_loads``) are
+        ordered before the forward pass, and taken out of vLLM's worker bookkeeping (its
+        scheduler already counts them complete: no ``finished_recving`` for them)."""
+        if not isinstance(meta, PyKVCacheConnectorMetadata) or not meta.sync_loads:
+            return
+        w = self.worker
+        if w is None:  # pragma: no cover - loads come only after the caches exist
+            return
+        load_jobs = self._cw._load_jobs
+        for job_id in meta.sync_loads:
+            load_jobs.pop(job_id, None)
+            w.make_sync(job_id)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU blocks whose chunk failed to load; reported in the same step as the job's
         completion (vLLM calls this right after ``get_finished``)."""
@@ -106,9 +121,10 @@ class WorkerSide:
         failed, counters = w.take_report()
         staged = dict.fromkeys(w.take_staged(), 1)
         written = dict.fromkeys(w.take_written(), 1)
+        sync_done = dict.fromkeys(w.take_sync_done(), 1)
         obs = w.take_observations()
         if (meta is None and not failed and not counters and not staged and not written
-                and not obs):
+                and not obs and not sync_done):
             return None
         if meta is None:
             meta = OffloadingWorkerMetadata()
@@ -116,4 +132,5 @@ class WorkerSide:
         return PyKVCacheWorkerMetadata(completed_jobs=meta.completed_jobs,
                                        transfer_stats=meta.transfer_stats,
                                        failed_keys=failed, counters=counters, staged=staged,
-                                       written=written, observations=obs)
+                                       written=written, observations=obs,
+                                       sync_done=sync_done)

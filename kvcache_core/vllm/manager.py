@@ -330,6 +330,9 @@ class PyKVCacheManager(OffloadingManager):
         # (req_id, key) -> (dram slot or -1, "pin" | "promote" | "disk") for loads in flight
         self._loading: dict[tuple[str, OffloadKey], tuple[int, str]] = {}
         self._loading_refs: collections.Counter[OffloadKey] = collections.Counter()
+        # synchronous DRAM loads that vLLM's scheduler already counts complete while the
+        # workers still copy them: token (vLLM's job id) -> (req_id, [(key, record)])
+        self._held: dict[int, tuple[str, list[tuple[OffloadKey, tuple[int, str]]]]] = {}
         # keys being read from disk into a DRAM-tier slot (promotions in flight)
         self._promoting: collections.Counter[OffloadKey] = collections.Counter()
         self._failed: set[OffloadKey] = set()
@@ -682,7 +685,31 @@ class PyKVCacheManager(OffloadingManager):
         for rid, key in self._loading:
             if key in want:
                 out.setdefault(rid, set()).add(key)
+        for rid, held in self._held.values():
+            for key, _rec in held:
+                if key in want:
+                    out.setdefault(rid, set()).add(key)
         return out
+
+    def hold_loads(self, token: int, req_id: str, keys: Collection[OffloadKey]) -> None:
+        """Keep the pins of ``req_id``'s load of ``keys`` after vLLM completes it
+        (``complete_load`` then finds nothing to release) until :meth:`release_held`
+        ``token``: a synchronous DRAM load that vLLM's scheduler counts complete when it
+        is scheduled, while the workers still copy from the slots (scheduler thread)."""
+        held = []
+        for key in keys:
+            rec = self._loading.pop((req_id, key), None)
+            if rec is not None:
+                held.append((key, rec))
+        self._held[token] = (req_id, held)
+
+    def release_held(self, token: int) -> None:
+        """Every worker finished the copy of held load ``token``: unpin its slots (a key
+        that failed its check is dropped, as in ``complete_load``). Unknown tokens are
+        ignored."""
+        _rid, held = self._held.pop(token, ("", []))
+        for key, rec in held:
+            self._finish_load(key, rec, failed=key in self._failed)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         req_id = req_context.req_id
@@ -827,6 +854,7 @@ class PyKVCacheManager(OffloadingManager):
         self._wb_pinned.clear()
         self._wb_storing.clear()
         self._loading.clear()
+        self._held.clear()
         self._loading_refs.clear()
         self._promoting.clear()
         self._failed.clear()
@@ -960,7 +988,8 @@ class PyKVCacheManager(OffloadingManager):
         return {"healthy": int(self.healthy), "dram_slots": self.n_dram,
                 "dram_cached": self.dram.cached if self.dram is not None else 0,
                 "dram_writeback_pinned": len(self._wb_pinned),
-                "stores_in_flight": len(self._storing), "loads_in_flight": len(self._loading),
+                "stores_in_flight": len(self._storing), "loads_in_flight": len(self._loading) + sum(
+                    len(h) for _r, h in self._held.values()),
                 "disk_bytes": self.counters.get("disk_bytes", 0),
                 "dram_admission_active": int(self._admission is not None
                                              and self._admission.active)}

@@ -46,6 +46,10 @@ class PyKVCacheConnectorMetadata(OffloadingConnectorMetadata):
     ``flush``: deferred write-backs, (key, DRAM-tier slot) pairs whose files the workers
     write from the slot (:meth:`PyKVCacheManager.take_flush_plan
     <kvcache_core.vllm.manager.PyKVCacheManager.take_flush_plan>`).
+    ``sync_loads``: this step's load jobs that the scheduler made synchronous
+    (``dram_load_sync``): every chunk in the DRAM tier, the request computes in this same
+    step, so each worker orders its forward pass after the copy and reports the job in
+    ``sync_done``, not to vLLM (whose scheduler already counts it complete).
     ``preloads_started``: set by the worker that started them, so that the two callers
     of ``start_preloads`` in one step (the patched model runner, then ``start_load_kv``)
     start them once; False in every copy the scheduler sends.
@@ -53,16 +57,18 @@ class PyKVCacheConnectorMetadata(OffloadingConnectorMetadata):
 
     preload: list[bytes] = field(default_factory=list)
     flush: list[tuple[bytes, int]] = field(default_factory=list)
+    sync_loads: list[int] = field(default_factory=list)
     preloads_started: bool = False
 
     @classmethod
     def extend(cls, base: OffloadingConnectorMetadata, preload: list[bytes],
-               flush: list[tuple[bytes, int]]) -> PyKVCacheConnectorMetadata:
+               flush: list[tuple[bytes, int]], sync_loads: list[int] | None = None
+               ) -> PyKVCacheConnectorMetadata:
         """``base`` (the metadata vLLM's connector built for this step, whose jobs it
-        still tracks) with ``preload`` and ``flush`` added. The job dicts are shared,
-        not copied."""
+        still tracks) with ``preload``, ``flush`` and ``sync_loads`` added. The job dicts
+        are shared, not copied."""
         return cls(**{name: getattr(base, name) for name in _BASE_FIELDS},
-                   preload=preload, flush=flush)
+                   preload=preload, flush=flush, sync_loads=list(sync_loads or ()))
 
 
 @dataclass
@@ -71,7 +77,8 @@ class PyKVCacheWorkerMetadata(OffloadingWorkerMetadata):
 
     ``aggregate`` (vLLM's KVOutputAggregator, across TP workers) unions the failed keys
     and sums the counters, the per-key count of ranks that staged a preloaded key, and
-    the per-key count of ranks whose write-back from a DRAM-tier slot ended (``written``);
+    the per-key count of ranks whose write-back from a DRAM-tier slot ended (``written``)
+    and the per-job count of ranks whose synchronous DRAM load is done (``sync_done``);
     it concatenates the job latencies (``observations``: histogram name -> seconds).
     """
 
@@ -80,6 +87,8 @@ class PyKVCacheWorkerMetadata(OffloadingWorkerMetadata):
     staged: dict[bytes, int] = field(default_factory=dict)
     written: dict[bytes, int] = field(default_factory=dict)
     observations: dict[str, list[float]] = field(default_factory=dict)
+    #: synchronous DRAM loads (``sync_loads``) whose copy is done: job id -> ranks
+    sync_done: dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         base = OffloadingWorkerMetadata.aggregate(self, other)
@@ -88,16 +97,18 @@ class PyKVCacheWorkerMetadata(OffloadingWorkerMetadata):
         counters = dict(self.counters)
         staged = dict(self.staged)
         written = dict(self.written)
+        sync_done = dict(self.sync_done)
         obs = {k: list(v) for k, v in self.observations.items()}
         if isinstance(other, PyKVCacheWorkerMetadata):
             for k, v in other.observations.items():
                 obs.setdefault(k, []).extend(v)
             failed |= other.failed_keys
             for mine, theirs in ((counters, other.counters), (staged, other.staged),
-                                 (written, other.written)):
+                                 (written, other.written), (sync_done, other.sync_done)):
                 for k, v in theirs.items():
                     mine[k] = mine.get(k, 0) + v
         return PyKVCacheWorkerMetadata(completed_jobs=base.completed_jobs,
                                        transfer_stats=base.transfer_stats,
                                        failed_keys=failed, counters=counters, staged=staged,
-                                       written=written, observations=obs)
+                                       written=written, observations=obs,
+                                       sync_done=sync_done)

@@ -53,7 +53,8 @@ VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk
 #: Keys of the vLLM glue itself (not storage-engine keys).
 GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookahead",
                                "preload_max_blocks", "breakeven_table", "queue_aware_preload",
-                               "disk_min_prefix_tokens", "disk_lookup_cache_s")
+                               "disk_min_prefix_tokens", "disk_lookup_cache_s",
+                               "dram_load_sync")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY, MODEL_IDENTITY_KEY)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
@@ -95,6 +96,14 @@ GLUE_KEY_HELP: dict[str, str] = {
     "ext4). A block evicted meanwhile (by any instance) fails its load and is recomputed, "
     "never a wrong token. A number >= 0 (0: off), or 'auto' (default): 2 when root_dir is "
     "on a FUSE filesystem, else 0.",
+    "dram_load_sync": "A prefix whose every block is in the DRAM tier is loaded in the "
+    "step that computes the rest of its request (vLLM's synchronous load: the forward "
+    "pass waits for the host->device copy on the GPU, not on the CPU) instead of "
+    "asynchronously, which parks the request for at least one more engine step: under "
+    "concurrent decode a step is tens of ms. Disk hits stay asynchronous. A DRAM block that "
+    "fails its check is recomputed (vLLM's load-failure recovery, reported in the same "
+    "step). Uses internals of vLLM's offloading scheduler, checked at start-up (a vLLM "
+    "without them refuses the key). Default false (not yet measured on a GPU).",
     "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
     "that is too short (or on a disk too slow) to win when read on demand, if its expected "
     "queueing time (the table's recompute times of the requests ahead) covers the read "
@@ -112,6 +121,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "model_id": "model path", "load_failure_policy": "`recompute`", "preload_lookahead": "4",
     "preload_max_blocks": "64", "breakeven_table": "-", "disk_min_prefix_tokens": "`auto`",
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
+    "dram_load_sync": "false",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -139,6 +149,8 @@ class VllmOptions:
     disk_lookup_cache_s: float | str = "auto"
     #: :func:`model_identity` digest injected by the connector (None: not known)
     model_identity: str | None = None
+    #: DRAM-tier hits loaded synchronously, in the step that computes their request
+    dram_load_sync: bool = False
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -210,13 +222,15 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     _need(lc == "auto" or (isinstance(lc, (int, float)) and not isinstance(lc, bool)
                            and 0 <= lc <= 3600),
           "disk_lookup_cache_s", "must be a number of seconds in 0..3600 or 'auto'", lc)
+    dls = ex.get("dram_load_sync", False)
+    _need(isinstance(dls, bool), "dram_load_sync", "must be true or false", dls)
     return VllmOptions(storage=storage, explicit_block_size="block_size" in d,
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
                        load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
                        preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt,
                        queue_aware_preload=qa, disk_min_prefix_tokens=dm,
                        disk_lookup_cache_s=lc,
-                       model_identity=ex.get(MODEL_IDENTITY_KEY))
+                       model_identity=ex.get(MODEL_IDENTITY_KEY), dram_load_sync=dls)
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:

@@ -348,6 +348,14 @@ class KVCopier(Copier):
         if self.cuda:  # pragma: no cover - needs CUDA
             torch.cuda.synchronize(self.g.device)
 
+    def fence(self, handle: Any) -> None:
+        """Order the calling thread's current CUDA stream (vLLM's compute stream, when the
+        model-runner thread calls it) after the copies of ``handle``, without waiting on
+        the CPU. A None handle (nothing issued, or a CPU copy that is already done) needs
+        nothing."""
+        if handle is not None:  # pragma: no cover - needs CUDA
+            torch.cuda.current_stream(self.g.device).wait_event(handle.event)
+
     def sync(self, handle: Any) -> None:
         """Block until a copy handle is done (any thread)."""
         if handle is not None:

@@ -135,6 +135,10 @@ class PyKVCacheWorker(OffloadingWorker):
         self.copier: KVCopier = self.reactor.copier  # type: ignore[assignment]
         #: load jobs served entirely from the DRAM tier: job id -> copy handle
         self._direct: dict[int, Any] = {}
+        #: synchronous load jobs (``dram_load_sync``) not yet finished, and the finished
+        #: ones not yet reported (:meth:`make_sync`, :meth:`take_sync_done`)
+        self._sync: set[int] = set()
+        self._sync_done: list[int] = []
         #: serve all-DRAM load jobs on this thread (False: through the reactor; tests)
         self.direct_dram = os.environ.get("KVCACHE_DIRECT_DRAM", "1") != "0"
         self._results: list[TransferResult] = []
@@ -237,6 +241,24 @@ class PyKVCacheWorker(OffloadingWorker):
         self.timing["main_submit_load_s"] += time.perf_counter() - t0
         return True
 
+    def make_sync(self, job_id: int) -> None:
+        """Load job ``job_id`` (submitted this step) is synchronous (``dram_load_sync``):
+        the forward pass that follows must see its blocks. A direct DRAM job's copy is
+        fenced on the GPU (the compute stream waits for it; on the CPU the copy is
+        already done); a job that went through the reactor is waited for here. Its
+        result is reported by :meth:`take_sync_done`, never by :meth:`get_finished`
+        (model-runner thread)."""
+        self._sync.add(job_id)
+        if job_id in self._direct:
+            self.copier.fence(self._direct[job_id])
+        elif job_id in self._jobs:
+            self.wait({job_id})
+
+    def take_sync_done(self) -> list[int]:
+        """Synchronous load jobs finished since the last call (model-runner thread)."""
+        out, self._sync_done = self._sync_done, []
+        return out
+
     def submit_preloads(self, keys: list[bytes]) -> None:
         """Start speculative disk -> staging reads of ``keys`` (model-runner thread).
 
@@ -331,8 +353,23 @@ class PyKVCacheWorker(OffloadingWorker):
             self.reactor.trace_event("fwd_end")  # diagnostics: vLLM calls this per step
         if self.watchdog_s and self._jobs:
             self._watchdog()
+        sync = self._sync
+        if sync:  # done within this step: their chunk failures are reported in it too
+            for j in sync:
+                h = self._direct.get(j)
+                if h is not None:
+                    self.copier.sync(h)
         self._drain()
         out, self._results = self._results, []
+        if sync:
+            keep = []
+            for r in out:
+                if r.job_id in sync:
+                    sync.discard(r.job_id)
+                    self._sync_done.append(r.job_id)
+                else:
+                    keep.append(r)
+            out = keep
         self.timing["main_get_finished_s"] += time.perf_counter() - t0
         return out
 

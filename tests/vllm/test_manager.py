@@ -511,3 +511,38 @@ def test_manager_lru_admit_serves_a_loop_that_lru_cannot(tmp_path, vllm_availabl
     st = res["lru-admit"][1]
     assert st["stores_not_admitted"] > 0 and st["stores"] < res["lru"][1]["stores"]
     assert st["dram_admission_active"] == 1 and res["lru"][1]["dram_admission_active"] == 0
+
+
+def test_manager_holds_synchronous_loads_until_the_workers_copied_them(tmp_path,
+                                                                        vllm_available):
+    """``dram_load_sync``: vLLM's scheduler completes the load job when it schedules the
+    request, but the slots stay pinned (no eviction, counted in flight, visible to
+    ``loads_of``) until :meth:`release_held`; a key that failed meanwhile is dropped."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=2, writeback_max_fraction=1.0)
+    r1, r2 = ReqContext("r1"), ReqContext("r2")
+    k1, k2, k3 = key(1), key(2), key(3)
+    m.prepare_store([k1, k2], r1)
+    m.complete_store([k1, k2], r1)
+    m.on_worker_report(set(), {}, None, {k1: 1, k2: 1})
+    spec = m.prepare_load([k1, k2], r2)
+    assert spec.flags == [IN_SLOT, IN_SLOT]
+    m.hold_loads(7, "r2", [k1, k2])
+    m.complete_load([k1, k2], r2)  # vLLM's completion: finds nothing to release
+    assert m.gauges()["loads_in_flight"] == 2
+    assert m.loads_of([k2]) == {"r2": {k2}}
+    out = m.prepare_store([k3], r1)  # both slots pinned: no DRAM slot for k3
+    assert out.store_spec.dram_slots == [-1] and out.evicted_keys == []
+    m.complete_store([k3], r1)
+    m.on_worker_report({k2}, {"chunks_failed": 1})  # k2 failed its check in the copy
+    m.release_held(7)
+    m.release_held(7)  # unknown now: ignored
+    assert m.gauges()["loads_in_flight"] == 0
+    assert m.dram.lookup(k1) >= 0 and m.dram.lookup(k2) == -1
+    out = m.prepare_store([key(4)], r1)  # k2's slot is free again
+    assert out.keys_to_store == [key(4)] and out.store_spec.dram_slots[0] >= 0
+    m.dram.check()

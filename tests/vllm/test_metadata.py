@@ -20,17 +20,20 @@ def test_specs_and_metadata_pickle_and_aggregate(vllm_available):
     assert ss.keys == [key(2)] and ss.dram_slots == [-1]
     a = PyKVCacheWorkerMetadata(completed_jobs={1: 1}, failed_keys={key(1)},
                                 counters={"files_corrupt": 1}, staged={key(3): 1},
-                                written={key(5): 1}, observations={"store": [0.1]})
+                                written={key(5): 1}, observations={"store": [0.1]},
+                                sync_done={9: 1})
     b = PyKVCacheWorkerMetadata(completed_jobs={1: 1, 2: 1}, failed_keys={key(2)},
                                 counters={"files_corrupt": 2, "bytes_read": 5},
                                 staged={key(3): 1, key(4): 1}, written={key(5): 1},
-                                observations={"store": [0.2], "load_dram": [0.3]})
+                                observations={"store": [0.2], "load_dram": [0.3]},
+                                sync_done={9: 1, 10: 1})
     c = pickle.loads(pickle.dumps(a.aggregate(b)))
     assert isinstance(c, PyKVCacheWorkerMetadata)
     assert c.completed_jobs == {1: 2, 2: 1} and c.failed_keys == {key(1), key(2)}
     assert c.counters == {"files_corrupt": 3, "bytes_read": 5}
     assert c.staged == {key(3): 2, key(4): 1}  # ranks that staged each key
     assert c.written == {key(5): 2}  # ranks that wrote each key
+    assert c.sync_done == {9: 2, 10: 1}  # ranks that finished each synchronous load
     assert c.observations == {"store": [0.1, 0.2], "load_dram": [0.3]}  # every rank's
     assert a.observations == {"store": [0.1]}  # the inputs are not modified
 
@@ -55,4 +58,6 @@ def test_connector_metadata_extends_vllms_and_pickles(vllm_available):
     c = pickle.loads(pickle.dumps(m))
     assert type(c) is PyKVCacheConnectorMetadata and not c.preloads_started
     assert c.load_jobs.keys() == {1} and c.jobs_to_flush == {3}
-    assert c.preload == [key(1)] and c.flush == [(key(2), 5)]
+    assert c.preload == [key(1)] and c.flush == [(key(2), 5)] and c.sync_loads == []
+    s = pickle.loads(pickle.dumps(PyKVCacheConnectorMetadata.extend(base, [], [], [1])))
+    assert s.sync_loads == [1] and s.load_jobs.keys() == {1}

@@ -1,0 +1,133 @@
+"""``dram_load_sync`` inside real vLLM 0.26 (CPU platform): a prefix held entirely in the
+DRAM tier is loaded in the step that computes its request (vLLM's synchronous load)
+instead of parking the request for an asynchronous load. Outputs are compared with plain
+recompute (no connector), engine steps are counted, and a DRAM slot that fails its check
+is recomputed, never served."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvcache_core.config import ConfigError
+from kvcache_core.vllm.metadata import PyKVCacheConnectorMetadata
+from kvcache_core.vllm.options import parse_extra_config
+
+from . import helpers as H
+
+A, B = H.PROMPTS["A"], H.PROMPTS["B"]
+FULL_HIT = 3 * H.CHUNK  # 1000-token prompts: 3 storage blocks
+
+
+def _count_steps(llm) -> dict[str, list]:
+    """Wrap the scheduler connector's ``build_connector_meta`` (one call per engine step)
+    to record each step's synchronous load jobs."""
+    conn = H.scheduler_connector(llm)
+    seen: dict[str, list] = {"steps": []}
+    orig = conn.build_connector_meta
+
+    def counted(so):
+        meta = orig(so)
+        seen["steps"].append(list(meta.sync_loads)
+                             if isinstance(meta, PyKVCacheConnectorMetadata) else [])
+        return meta
+
+    conn.build_connector_meta = counted
+    return seen
+
+
+def _hit_run(model_dir: str, root: str, sync: bool) -> dict:
+    """A (miss, stored into the DRAM tier), then A again (DRAM hit): outputs, stats and the
+    engine steps of the hit."""
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES,
+                                               dram_load_sync=sync))
+    try:
+        m = H.manager(llm)
+        first = H.generate(llm, A)
+        H.drain(llm)
+        s1 = m.stats()
+        seen = _count_steps(llm)
+        hit = H.generate(llm, A)
+        steps = list(seen["steps"])
+        H.drain(llm)
+        s2 = m.stats()
+    finally:
+        H.shutdown(llm)
+    return {"first": first, "hit": hit, "s1": s1, "s2": s2, "steps": steps}
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, workdir) -> dict[str, dict]:
+    return {name: _hit_run(model_dir, os.path.join(workdir, f"sync-{name}"), sync)
+            for name, sync in (("async", False), ("sync", True))}
+
+
+def test_sync_dram_hit_same_output_one_step_earlier(runs, reference):
+    a, s = runs["async"], runs["sync"]
+    for r in (a, s):
+        assert H.same_output(r["first"], reference["A"])
+        assert H.same_output(r["hit"], reference["A"])
+        assert r["hit"]["num_cached_tokens"] == FULL_HIT
+        d = H.delta(r["s2"], r["s1"])
+        assert d.get("hits_dram") == 3 and d.get("chunks_loaded_dram") == 3, d
+        assert "chunks_failed" not in d and "bytes_read" not in d, d
+        # the held pins are released once the workers report the copy done
+        assert r["s2"]["loads_in_flight"] == 0
+    # the synchronous hit: one load job marked synchronous, in the step that computes it
+    sync_steps = [j for j in s["steps"] if j]
+    assert len(sync_steps) == 1 and len(sync_steps[0]) == 1, s["steps"]
+    assert not any(a["steps"]), a["steps"]
+    # the asynchronous hit spends one more engine step (parked while the load runs)
+    assert len(s["steps"]) == len(a["steps"]) - 1, (s["steps"], a["steps"])
+
+
+def test_sync_dram_hit_with_a_bad_slot_is_recomputed(model_dir, workdir, reference):
+    """Every DRAM slot's header zeroed in the worker before the hit: the synchronous load
+    reports the chunks failed in the same step, vLLM recomputes, the output is unchanged,
+    and the bad blocks are dropped from the DRAM tier (never served again)."""
+    root = os.path.join(workdir, "sync-bad")
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES,
+                                               dram_load_sync=True))
+    try:
+        m = H.manager(llm)
+        H.generate(llm, B)
+        H.drain(llm)
+        s1 = m.stats()
+        assert llm.collective_rpc(_zero_dram_headers)[0] >= 3
+        seen = _count_steps(llm)
+        bad = H.generate(llm, B)
+        H.drain(llm)
+        s2 = m.stats()
+        again = H.generate(llm, B)
+        H.drain(llm)
+        s3 = m.stats()
+    finally:
+        H.shutdown(llm)
+    assert any(seen["steps"]), seen["steps"]  # it was a synchronous load
+    assert H.same_output(bad, reference["B"])
+    d = H.delta(s2, s1)
+    assert d.get("dram_invalid") == 3 and d.get("chunks_failed") == 3, d
+    assert s2["loads_in_flight"] == 0
+    assert H.same_output(again, reference["B"])
+    assert "chunks_failed" not in H.delta(s3, s2)  # the bad slots are never served again
+
+
+def _zero_dram_headers(worker) -> int:
+    """Runs in the worker (``collective_rpc``): zero the identity header of every DRAM-tier
+    slot, as a corrupted host buffer would; returns the number of slots."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group()._work.worker
+    views = w.reactor.pool.views
+    n = len(views) - w.n_staging
+    for i in range(w.n_staging, len(views)):
+        views[i][:8] = bytes(8)
+    return n
+
+
+def test_dram_load_sync_must_be_a_bool():
+    with pytest.raises(ConfigError, match="dram_load_sync"):
+        parse_extra_config({"spec_name": "PyKVCacheSpec", "dram_load_sync": "yes"})
+    assert parse_extra_config({"dram_load_sync": True}).dram_load_sync is True
+    assert parse_extra_config({}).dram_load_sync is False
