@@ -17,6 +17,8 @@
 # py-kvcache keys of the before / after side, and SAMETREE=1 runs both from this tree
 # (no .gpu/before needed), e.g.
 #   SAMETREE=1 AKV=switch_interval_s=0 CONFS=kvcache_disk bash scripts/h200_ab.sh
+# LDARGS="--flag value ...": extra longdoc arguments for both sides, e.g.
+#   SAMETREE=1 AKV=dram_load_sync=true LDARGS="--hit-suffix-tokens 64" CONFS=kvcache_dram
 set -u
 M=${M:-llama-3.2-3b}; T0=$(date +%s); AFTER=$PWD
 run() { # $1=before|after $2=config $3=round
@@ -28,6 +30,7 @@ run() { # $1=before|after $2=config $3=round
     timeout -k 5 150 python3 -m kvcache_core.bench.longdoc --model "$AFTER/configs/models/$M" \
       --root /tmp/ldroot --machine "H200 (GPU machine)" --append --resume --timeout 140 \
       --no-probe --json "/tmp/ab/$1-r$3/longdoc-$M.json" --configs "$2" "${kvx[@]}" \
+      ${LDARGS:-} \
       > "/tmp/ab/$1-r$3-$2.log" 2>&1 ); local rc=$?
   echo "$(($(date +%s)-T0))s $1 $2 r$3 rc=$rc"
 }

@@ -233,7 +233,7 @@ async def _worker(args) -> dict:
     tokens = [int(t) for t in args.tokens.split(",")]
     kvb = kv_bytes_per_token(args.model)
     tc = transfer_config(args.config, args, max(tokens) * kvb)
-    extra_len = args.question_tokens if args.workload == "scbench" else 0
+    extra_len = args.question_tokens if args.workload == "scbench" else args.hit_suffix_tokens
     ea = AsyncEngineArgs(model=args.model, load_format="dummy", enforce_eager=True,
                          enable_prefix_caching=False,
                          max_model_len=max(tokens) + extra_len + 64,
@@ -271,13 +271,21 @@ async def _worker(args) -> dict:
                 n_fresh = int(round(len(order) * args.fresh_frac / max(1e-9,
                                                                        1 - args.fresh_frac)))
                 fresh = docs_for(d, n_fresh, args.seed + 1000 + d) if n_fresh else []
+                # --hit-suffix-tokens: each load-phase request = its document + a unique
+                # suffix (a question after the shared context), so the cached prefix is
+                # not the whole prompt
+                ns = args.hit_suffix_tokens
+                sfx = docs_for(ns, len(order) + n_fresh, args.seed + 7000 + d) if ns else None
+                if ns:
+                    row["hit_suffix_tokens"] = ns
                 # fresh documents (-1 - k) spread evenly through the order
                 for k in range(n_fresh):
                     order.insert(rng.randrange(len(order) + 1), -1 - k)
                 sem = asyncio.Semaphore(max(1, args.concurrency))
                 t0 = time.perf_counter()
                 hits = list(await asyncio.gather(*[
-                    _limited(sem, engine, docs[i] if i >= 0 else fresh[-1 - i], f"h{d}-{j}")
+                    _limited(sem, engine, (docs[i] if i >= 0 else fresh[-1 - i])
+                             + (sfx[j] if sfx else []), f"h{d}-{j}")
                     for j, i in enumerate(order)]))
                 row["load_wall_s"] = time.perf_counter() - t0
                 row["ttft_hit_all"] = hits
@@ -322,6 +330,7 @@ def _run_child(args, config: str, phase: str, timeout: float,
            "--preload-lookahead",
            str(args.preload_lookahead), "--gate-table-path", args.gate_table_path or "",
            "--workload", args.workload, "--question-tokens", str(args.question_tokens),
+           "--hit-suffix-tokens", str(args.hit_suffix_tokens),
            "--sample-interval", str(sample)]
     for k, v in args.kv_extra:
         cmd += ["--kv-extra", f"{k}={json.dumps(v)}"]
@@ -479,6 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "SCBench-like multi-turn workload (module docstring)")
     ap.add_argument("--question-tokens", type=int, default=64,
                     help="scbench: tokens of each turn's unique question")
+    ap.add_argument("--hit-suffix-tokens", type=int, default=0,
+                    help="longdoc/mixed: unique tokens appended to each load-phase request "
+                    "after its document (a question after the shared context), so the "
+                    "reusable prefix is not the whole prompt; 0 (default): the document "
+                    "alone")
     ap.add_argument("--sample-interval", type=float, default=None,
                     help="seconds between samples of the engine's process tree (host "
                     "memory, disk bytes read); default 0.25 for scbench, else off")

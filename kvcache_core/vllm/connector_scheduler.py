@@ -233,13 +233,17 @@ class SchedulerSide:
                    found: tuple[int | None, bool]) -> tuple[int | None, bool]:
         """vLLM's lookup result ``found`` after :meth:`begin_lookup` returned True: the
         break-even gate (:meth:`gate_lookup`), then ``dram_load_sync``: a load whose every
-        chunk is in the DRAM tier is answered synchronous (``(n, False)``)."""
+        chunk is in the DRAM tier is answered synchronous (``(n, False)``),
+        unless it covers the whole request."""
         result = self.gate_lookup(request, num_computed_tokens, found)
         if not self.dram_load_sync:
             return result
         rid = request.request_id
         n = result[0]
-        if n and result[1]:
+        # A hit that reaches the end of the request stays asynchronous: vLLM then
+        # recomputes the last token itself, while a synchronous load must leave at least
+        # one token to compute in this step (vLLM's scheduler asserts it).
+        if n and result[1] and num_computed_tokens + n < request.num_tokens:
             manager = self.manager
             # the gate may have kept only the leading DRAM/staged chunks of the prefix
             tier = manager.lookup_tier() if n == found[0] else manager.lookup_fast_chunks()[1]

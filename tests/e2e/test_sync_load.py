@@ -82,6 +82,35 @@ def test_sync_dram_hit_same_output_one_step_earlier(runs, reference):
     assert len(s["steps"]) == len(a["steps"]) - 1, (s["steps"], a["steps"])
 
 
+def test_sync_full_prompt_hit_stays_asynchronous(model_dir, workdir):
+    """A prompt of exactly 3 storage blocks hits in full: a synchronous load would leave
+    no token to compute in its step (vLLM asserts), so it stays asynchronous and vLLM
+    recomputes the last token; the output equals recompute's."""
+    prompt = A[:FULL_HIT]
+    ref = H.make_llm(model_dir, None)
+    try:
+        expected = H.generate(ref, prompt)
+    finally:
+        H.shutdown(ref)
+    root = os.path.join(workdir, "sync-full")
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES,
+                                               dram_load_sync=True))
+    try:
+        H.generate(llm, prompt)
+        H.drain(llm)
+        seen = _count_steps(llm)
+        hit = H.generate(llm, prompt)
+        H.drain(llm)
+    finally:
+        H.shutdown(llm)
+    assert not any(seen["steps"]), seen["steps"]  # no synchronous load job
+    # served from the cache (vLLM counts the hit, then recomputes the last token)
+    assert hit["num_cached_tokens"] in (FULL_HIT - 1, FULL_HIT)
+    # vLLM's CPU kernels' logprobs depend on the prefill split (a one-token recompute
+    # after a cached prefix vs a full prefill): tokens must match exactly
+    assert H.same_output(hit, expected, tol=H.SPLIT_LOGPROB_TOL)
+
+
 def test_sync_dram_hit_with_a_bad_slot_is_recomputed(model_dir, workdir, reference):
     """Every DRAM slot's header zeroed in the worker before the hit: the synchronous load
     reports the chunks failed in the same step, vLLM recomputes, the output is unchanged,
