@@ -343,6 +343,7 @@ class SchedulerSide:
         if job is None:  # pragma: no cover - vLLM builds one job per loading request
             return
         self.manager.hold_loads(job, rid, cs._jobs[job].keys)
+        self.manager.counters["loads_sync"] += 1
         cs.update_connector_output(KVConnectorOutput(
             kv_connector_worker_meta=OffloadingWorkerMetadata(
                 completed_jobs={job: self._num_workers})))

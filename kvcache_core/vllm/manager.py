@@ -101,6 +101,8 @@ MANAGER_COUNTERS: dict[str, str] = {
     "loads_dram": "Chunks loaded from the DRAM tier.",
     "loads_disk": "Chunks loaded from disk (promotions included).",
     "promotions": "Disk chunks loaded into a DRAM-tier slot (kept there on success).",
+    "loads_sync": "dram_load_sync: load jobs served synchronously (every chunk in the DRAM "
+    "tier; the request computed in the same engine step).",
     "stores": "Chunks stored (written through to disk).",
     "stores_dram": "Stored chunks that also went into a DRAM-tier slot.",
     "stores_no_dram_slot": "Chunks stored without a DRAM-tier slot because every slot was "

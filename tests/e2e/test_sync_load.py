@@ -78,6 +78,8 @@ def test_sync_dram_hit_same_output_one_step_earlier(runs, reference):
     sync_steps = [j for j in s["steps"] if j]
     assert len(sync_steps) == 1 and len(sync_steps[0]) == 1, s["steps"]
     assert not any(a["steps"]), a["steps"]
+    assert H.delta(s["s2"], s["s1"]).get("loads_sync") == 1
+    assert "loads_sync" not in H.delta(a["s2"], a["s1"])
     # the asynchronous hit spends one more engine step (parked while the load runs)
     assert len(s["steps"]) == len(a["steps"]) - 1, (s["steps"], a["steps"])
 

@@ -109,6 +109,26 @@ def test_recompute_store_and_dram_hit_give_identical_tokens(ref032, stored032, r
     assert len(H.cache_files(root032)) == 9  # A, B, C: 3 chunks each
 
 
+def test_dram_load_sync_on_vllm_032(ref032, py032, model_dir, workdir):
+    """``dram_load_sync`` on 0.32's offloading scheduler: A stored, then A again (its 3
+    DRAM chunks, 768 of its 1000 tokens, loaded synchronously in the step that computes
+    the rest); same tokens as recompute."""
+    root = os.path.join(workdir, "root_vllm032_sync")
+    extra = H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES, preload_lookahead=0,
+                           dram_load_sync=True)
+    r = _run(py032, {"model_dir": model_dir, "extra": extra, "steps": [
+        {"op": "generate", "prompt": "A", "tag": "a1"}, {"op": "drain"},
+        {"op": "stats", "tag": "stored"},
+        {"op": "generate", "prompt": "A", "tag": "a2"}, {"op": "drain"},
+        {"op": "stats", "tag": "hit"}]})
+    ref, res = ref032["results"], r["results"]
+    assert H.same_output(ref["A"], res["a1"]) and H.same_output(ref["A"], res["a2"])
+    assert res["a2"]["num_cached_tokens"] == 768, res["a2"]
+    d = H.delta(r["stats"]["hit"], r["stats"]["stored"])
+    assert d.get("loads_sync") == 1 and d.get("chunks_loaded_dram") == 3, d
+    assert r["stats"]["final"]["loads_in_flight"] == 0
+
+
 def _queued(py032, model_dir, root032, policy: str, names: list[str],
             priority: list[int] | None) -> dict:
     extra = H.extra_config(root032, preload_lookahead=2)
