@@ -180,7 +180,7 @@ class SchedulerSide:
             if missing:
                 raise ConfigError("py-kvcache config key 'dram_load_sync': this vLLM's "
                                   "offloading scheduler lacks " + ", ".join(missing) +
-                                  " (written for vLLM 0.26); set it to false")
+                                  " (present in vLLM 0.26 and 0.32); set it to false")
         if opts.breakeven_table:
             self._init_gate(opts, opts.breakeven_table, vllm_config)
         dm = opts.disk_min_prefix_tokens
@@ -340,6 +340,7 @@ class SchedulerSide:
         for j, t in cs._current_batch_load_jobs.items():
             if t.req_id == rid:
                 job = j
+                break
         if job is None:  # pragma: no cover - vLLM builds one job per loading request
             return
         self.manager.hold_loads(job, rid, cs._jobs[job].keys)

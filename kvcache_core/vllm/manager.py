@@ -990,8 +990,9 @@ class PyKVCacheManager(OffloadingManager):
         return {"healthy": int(self.healthy), "dram_slots": self.n_dram,
                 "dram_cached": self.dram.cached if self.dram is not None else 0,
                 "dram_writeback_pinned": len(self._wb_pinned),
-                "stores_in_flight": len(self._storing), "loads_in_flight": len(self._loading) + sum(
-                    len(h) for _r, h in self._held.values()),
+                "stores_in_flight": len(self._storing),
+                "loads_in_flight": len(self._loading) + sum(
+                    len(held) for _rid, held in self._held.values()),
                 "disk_bytes": self.counters.get("disk_bytes", 0),
                 "dram_admission_active": int(self._admission is not None
                                              and self._admission.active)}
