@@ -12,7 +12,9 @@
 #     git archive <before-commit> kvcache_core scripts configs pyproject.toml | tar x -C .gpu/before
 # Device call (after staging the runtime), carry [".gpu/before"]:
 #   source /tmp/rt/env.sh && CONFS="kvcache_dram kvcache_disk" bash scripts/h200_ab.sh
-# CONFS, R0 (first round number), ABBUDGET (s, default 430), M (model) narrow a call.
+# CONFS, R0 (first round number), ABBUDGET (s, default 430), M (model) narrow a call;
+# RUNLIMIT (s, default 150) stops a run, with a py-spy dump of it in <run>.log.hang when
+# .gpu/extra holds the py-spy wheel (carry it).
 # A/B of configuration keys instead of commits: BKV / AKV = "key=json key=json" extra
 # py-kvcache keys of the before / after side, and SAMETREE=1 runs both from this tree
 # (no .gpu/before needed), e.g.
@@ -26,14 +28,33 @@ run() { # $1=before|after $2=config $3=round
   local kvx=() kv; [ "$1" = before ] && kv=${BKV:-} || kv=${AKV:-}
   for k in $kv; do kvx+=(--kv-extra "$k"); done
   rm -rf /tmp/ldroot; mkdir -p "/tmp/ab/$1-r$3"
+  local log="/tmp/ab/$1-r$3-$2.log"
   ( cd "$dir" && export PYTHONPATH=$dir:/tmp/rt:/tmp/site && \
-    timeout -k 5 150 python3 -m kvcache_core.bench.longdoc --model "$AFTER/configs/models/$M" \
+    exec python3 -m kvcache_core.bench.longdoc --model "$AFTER/configs/models/$M" \
       --root /tmp/ldroot --machine "H200 (GPU machine)" --append --resume --timeout 140 \
       --no-probe --json "/tmp/ab/$1-r$3/longdoc-$M.json" --configs "$2" "${kvx[@]}" \
-      ${LDARGS:-} \
-      > "/tmp/ab/$1-r$3-$2.log" 2>&1 ); local rc=$?
+      ${LDARGS:-} ) > "$log" 2>&1 &
+  # watchdog: a run past RUNLIMIT s (default 150) gets a py-spy dump of its process tree
+  # (PYSPY: the binary, from the wheel in .gpu/extra) appended to its log, then is killed
+  local p=$! t=0 rc
+  while kill -0 "$p" 2>/dev/null && [ "$t" -lt "${RUNLIMIT:-150}" ]; do sleep 1; t=$((t+1)); done
+  if kill -0 "$p" 2>/dev/null; then
+    local tree; tree="$p $(desc "$p")"
+    if [ -n "${PYSPY:-}" ]; then
+      for q in $tree; do echo "=== py-spy dump $q: $(tr '\0' ' ' < /proc/$q/cmdline 2>/dev/null | cut -c1-160)"
+        timeout 20 "$PYSPY" dump --pid "$q" 2>&1; done >> "$log.hang" 2>&1
+    fi
+    kill $tree 2>/dev/null; sleep 3; kill -9 $tree 2>/dev/null; wait "$p" 2>/dev/null; rc=124
+  else
+    wait "$p"; rc=$?
+  fi
   echo "$(($(date +%s)-T0))s $1 $2 r$3 rc=$rc"
 }
+desc() { local c; for c in $(pgrep -P "$1"); do echo "$c"; desc "$c"; done; }
+if [ -z "${PYSPY:-}" ] && ls .gpu/extra/py_spy-*.whl >/dev/null 2>&1; then
+  python3 -m zipfile -e "$(ls .gpu/extra/py_spy-*.whl | head -1)" /tmp/pyspyw
+  PYSPY=$(find /tmp/pyspyw -name py-spy -type f | head -1); chmod +x "$PYSPY"
+fi
 SITE=$(python3 -c 'import vllm,os;print(os.path.dirname(os.path.dirname(vllm.__file__)))')
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" >/dev/null
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" --check
