@@ -84,9 +84,9 @@ KEY_HELP: dict[str, str] = {
     "dram_cache_bytes": "Bytes of additional slots that retain finished blocks as a DRAM "
     "cache tier (0 disables the DRAM tier). Stores are copied there and written to disk "
     "from there in the background (write-back buffer).",
-    "eviction_policy": "DRAM tier replacement policy: 'lru', 'arc', or 'lru-admit' (LRU "
-    "plus a frequency filter on new blocks that turns itself on only while it measures "
-    "more hits than LRU: loops over more contexts than the tier holds).",
+    "eviction_policy": "DRAM tier replacement policy: 'lru-admit' (default: LRU plus a "
+    "frequency filter on new blocks that turns itself on only while it measures more hits "
+    "than LRU, e.g. loops over more contexts than the tier holds), 'lru' or 'arc'.",
     "writeback_max_fraction": "Share of the DRAM tier that stores may hold while their "
     "files are still being written (write-back). Beyond it a new store still fills a "
     "DRAM-tier slot but writes no file (counted as stores_writeback_full), so a disk that "
@@ -154,7 +154,7 @@ class StorageConfig:
     lookahead: int = 8
     copy_headroom: int = 4
     dram_cache_bytes: int = 0
-    eviction_policy: str = "lru"
+    eviction_policy: str = "lru-admit"
     writeback_max_fraction: float = 0.5
     writeback_flush: bool = False
     block_size: int = 256

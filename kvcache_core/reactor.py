@@ -358,6 +358,10 @@ class Reactor(LoadRouting):
         self.dead: str | None = None
         #: time.monotonic() of the loop's last iteration (read by the worker's watchdog)
         self.heartbeat = time.monotonic()
+        #: time.monotonic() when the reactor last went from no request outstanding to one
+        #: (set by the submitting thread): an idle reactor sleeps without a heartbeat, so
+        #: the watchdog counts a stall from the later of the two (:meth:`stalled_for`)
+        self.busy_since = self.heartbeat
         #: held while deciding to issue a device copy and issuing it, and by
         #: :meth:`declare_stalled` while it marks the reactor dead: no copy is issued after
         #: a caller gave the reactor's requests up (vLLM may already reuse those GPU blocks)
@@ -444,6 +448,15 @@ class Reactor(LoadRouting):
         """Requests submitted and not completed (any thread)."""
         return self._outstanding
 
+    def stalled_for(self) -> float:
+        """Seconds the reactor has had requests outstanding without its loop turning
+        (0.0 when none is outstanding). Any thread; the worker's watchdog reads it. A
+        reactor that slept through an idle period and was just handed a request has not
+        stalled: it is counted from the submission, not from its last turn."""
+        if not self._outstanding:
+            return 0.0
+        return time.monotonic() - max(self.heartbeat, self.busy_since)
+
     def declare_stalled(self, reason: str, timeout: float = 5.0) -> bool:
         """Give the reactor up from another thread (the worker's watchdog): the reactor
         thread is alive but stuck (a synchronous syscall on a hung filesystem). After this
@@ -487,6 +500,8 @@ class Reactor(LoadRouting):
         if self.writeback_defer_s and prio == Priority.FOREGROUND:
             self._fg_stamp = time.monotonic()
         with self._cv:
+            if not self._outstanding:
+                self.busy_since = time.monotonic()
             self._outstanding += 1
         self._inbox.append(_ReqMsg(req_id, kind, items, prio))
         if self.dead is not None:  # nobody will serve it: fail it now (recompute)

@@ -198,7 +198,9 @@ class OffloadingConnector(_VllmOffloadingConnector):
         a synchronous DRAM load is completed in vLLM's scheduler (``dram_load_sync``)."""
         assert self._sched is not None
         self._sched.after_alloc(request)
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        super().update_state_after_alloc(
+            request, self._sched.load_view(request, blocks, num_external_tokens),
+            num_external_tokens)
         self._sched.after_load_job(request, num_external_tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]

@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.outputs import KVConnectorOutput
 
 from ..breakeven import Gate, QueueModel, load_table
@@ -91,6 +92,19 @@ def _queue_model(gate: Gate, path: str) -> QueueModel | None:
         log.warning("py-kvcache: queue_aware_preload is off: %s (%s); run `kvcache "
                     "calibrate`", e, path)
         return None
+
+
+class _Unhashed:
+    """A GPU block of a synchronous load's range as the offloading scheduler must see it:
+    its id, not null, no prefix-cache hash (:meth:`SchedulerSide.load_view`). Read-only
+    stand-in, built per synchronous load (not on the per-step path of other requests)."""
+
+    __slots__ = ("block_id",)
+    is_null = False
+    block_hash = None
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
 
 
 class _QueueAdmission:
@@ -175,8 +189,8 @@ class SchedulerSide:
         self._sync_pending: dict[int, int] = {}
         self._num_workers: int = int(cs.config.num_workers)
         if self.dram_load_sync:
-            missing = [a for a in ("_current_batch_load_jobs", "_jobs", "update_connector_output")
-                       if not hasattr(cs, a)]
+            missing = [a for a in ("_current_batch_load_jobs", "_jobs", "_req_status",
+                                   "update_connector_output") if not hasattr(cs, a)]
             if missing:
                 raise ConfigError("py-kvcache config key 'dram_load_sync': this vLLM's "
                                   "offloading scheduler lacks " + ", ".join(missing) +
@@ -321,6 +335,38 @@ class SchedulerSide:
                 assert self.gate is not None
                 for tier, ok in decisions:
                     self.gate.count(tier, ok)
+
+    def load_view(self, request: Request, blocks: KVCacheBlocks,
+                  num_external_tokens: int) -> KVCacheBlocks:
+        """``blocks`` as vLLM's offloading scheduler must see them to build the load job
+        of ``request`` (before ``update_state_after_alloc``). For an asynchronous load,
+        ``blocks`` itself. For a synchronous one (``dram_load_sync``) with vLLM's GPU
+        prefix cache on, vLLM has already entered the blocks of the loaded range in its
+        prefix cache (it delays that only for asynchronous loads), and the offloading
+        scheduler takes a block with a hash for one computed on the GPU: it would build
+        a load job without those blocks, and the request would compute on KV that was
+        never loaded. So the blocks of the loaded range are shown without their hash
+        (:class:`_Unhashed`, a read-only stand-in: vLLM's own blocks are not touched).
+        Scheduler thread."""
+        rid = request.request_id
+        if not num_external_tokens or rid not in self._sync_lookup:
+            return blocks
+        local = self._cs._req_status[rid].num_locally_computed_tokens
+        end = local + num_external_tokens
+        groups = []
+        for gc, gb in zip(self.group_configs, blocks.blocks, strict=True):
+            tpb = gc.tokens_per_block
+            lo, hi = local // tpb, min(-(-end // tpb), len(gb))
+            if lo >= hi:
+                groups.append(gb)
+                continue
+            view = list(gb)
+            for i in range(lo, hi):
+                b = view[i]
+                if not b.is_null and b.block_hash is not None:
+                    view[i] = _Unhashed(b.block_id)
+            groups.append(view)
+        return KVCacheBlocks(tuple(groups))
 
     def after_load_job(self, request: Request, num_external_tokens: int) -> None:
         """After vLLM's ``update_state_after_alloc`` of ``request`` (scheduled this step):

@@ -405,9 +405,9 @@ class PyKVCacheWorker(OffloadingWorker):
         stores as done (their blocks are simply not cached). From then on this engine is
         recompute-only, as after a reactor death."""
         r = self.reactor
-        if r.dead is not None or not r.outstanding:
+        if r.dead is not None:
             return
-        idle = time.monotonic() - r.heartbeat
+        idle = r.stalled_for()
         if idle <= self.watchdog_s:
             return
         if not r.declare_stalled(f"the I/O reactor made no progress for {idle:.0f} s "

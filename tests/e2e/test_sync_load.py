@@ -7,6 +7,7 @@ is recomputed, never served."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -162,3 +163,94 @@ def test_dram_load_sync_must_be_a_bool():
         parse_extra_config({"spec_name": "PyKVCacheSpec", "dram_load_sync": "yes"})
     assert parse_extra_config({"dram_load_sync": True}).dram_load_sync is True
     assert parse_extra_config({}).dram_load_sync is False
+
+
+CONTEXTS = [[(i * m + c) % 3900 + 100 for i in range(800)]
+            for m, c in ((7919, 1), (104729, 2), (1299709, 3), (15485863, 4))]
+
+
+def _turn(ctx: list[int], r: int, j: int) -> list[int]:
+    return ctx + [(r * 31 + j * 17 + k * 13) % 3900 + 100 for k in range(40 + j)]
+
+
+def _prefix_cache_run(model_dir: str, root: str, sync: bool) -> dict:
+    """4 shared contexts x 3 rounds, the turns of a round submitted at once (4 running),
+    vLLM's GPU prefix cache ON with room for about 2 contexts (it thrashes), a DRAM tier
+    that holds them all; a pause longer than the watchdog's limit before each round."""
+    llm = H.make_llm(model_dir, H.extra_config(
+        root, dram_cache_bytes=16 * H.FILE_BYTES, dram_load_sync=sync, io_timeout_s=0.25),
+        enable_prefix_caching=True, max_num_seqs=4, num_gpu_blocks_override=16,
+        max_model_len=16 * 128)
+    try:
+        outs = []
+        for r in range(3):
+            time.sleep(0.8)  # idle: the reactor sleeps past the watchdog's 0.5 s
+            outs += H.generate_many(llm, [_turn(c, r, j) for j, c in enumerate(CONTEXTS)])
+            H.drain(llm)
+        s = H.manager(llm).stats()
+    finally:
+        H.shutdown(llm)
+    return {"outs": outs, "stats": s}
+
+
+def test_sync_dram_hits_with_gpu_prefix_cache_and_concurrency(model_dir, workdir):
+    """The production setting (GPU prefix cache on, several requests per step). vLLM
+    enters a synchronous load's blocks in its prefix cache before the connector builds
+    the load job; the offloading scheduler took them for computed and built jobs
+    without blocks, so requests computed on KV never loaded (wrong tokens, found by the
+    tenth session's replay). Synchronous and asynchronous runs must give the same tokens
+    and logprobs, every synchronous hit must load its chunks, and the engine stays
+    healthy across idle pauses longer than the watchdog's limit."""
+    a = _prefix_cache_run(model_dir, os.path.join(workdir, "pc-async"), False)
+    s = _prefix_cache_run(model_dir, os.path.join(workdir, "pc-sync"), True)
+    for x, y in zip(a["outs"], s["outs"], strict=True):
+        assert x["num_cached_tokens"] == y["num_cached_tokens"]
+        assert x["tokens"] == y["tokens"] and H.same_output(x, y)
+    later = s["outs"][len(CONTEXTS):]
+    assert all(o["num_cached_tokens"] == 768 for o in later), \
+        [o["num_cached_tokens"] for o in later]
+    st = s["stats"]
+    assert st["loads_sync"] >= len(CONTEXTS), st
+    assert st["chunks_loaded_dram"] == st["loads_dram"] > 0, st
+    assert st["healthy"] == 1 and not st.get("reactor_stalled"), st
+    assert st["loads_in_flight"] == 0
+    assert a["stats"]["healthy"] == 1 and "loads_sync" not in {
+        k for k, v in a["stats"].items() if v}
+
+
+def test_sync_bad_slot_with_gpu_prefix_cache_is_recomputed(model_dir, workdir):
+    """A synchronous DRAM hit whose slots fail their check, with the GPU prefix cache on:
+    vLLM has already entered the loaded range in its prefix cache, so its sync-failure
+    recovery must evict those blocks and recompute; later requests of the same context
+    (GPU prefix hits on those blocks, or new loads) give the tokens of a run without the
+    corruption."""
+    ctx = CONTEXTS[0]
+
+    def run(root: str, corrupt: bool) -> list[dict]:
+        llm = H.make_llm(model_dir, H.extra_config(
+            root, dram_cache_bytes=16 * H.FILE_BYTES, dram_load_sync=True),
+            enable_prefix_caching=True, max_num_seqs=4, num_gpu_blocks_override=16,
+            max_model_len=16 * 128)
+        try:
+            outs = [H.generate(llm, _turn(ctx, 0, 0))]
+            H.drain(llm)
+            llm.reset_prefix_cache()  # the next turn must come from the DRAM tier
+            if corrupt:
+                assert llm.collective_rpc(_zero_dram_headers)[0] >= 3
+            outs += H.generate_many(llm, [_turn(ctx, 1, j) for j in range(3)])
+            H.drain(llm)
+            outs.append(H.generate(llm, _turn(ctx, 2, 0)))
+            H.drain(llm)
+            s = H.manager(llm).stats()
+        finally:
+            H.shutdown(llm)
+        return outs + [s]
+
+    good = run(os.path.join(workdir, "pc-bad-ref"), False)
+    bad = run(os.path.join(workdir, "pc-bad"), True)
+    sg, sb = good.pop(), bad.pop()
+    assert sg["loads_sync"] >= 1 and sb["loads_sync"] >= 1, (sg, sb)
+    assert sb["dram_invalid"] >= 3 and sb["chunks_failed"] >= 3, sb
+    for x, y in zip(good, bad, strict=True):
+        assert x["tokens"] == y["tokens"]
+        assert H.same_output(x, y, tol=H.SPLIT_LOGPROB_TOL)
