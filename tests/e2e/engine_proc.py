@@ -6,7 +6,8 @@ plan: ``model_dir``, ``extra`` (kv_connector_extra_config or null), ``tp``, ``ll
 (more ``LLM(...)`` arguments, optional), ``out`` (JSON result path) and ``steps``:
 ``{"op": "generate", "prompt": "A", "tag": "a1"}``, ``{"op": "generate_many", "prompts":
 ["A", "B"], "priority": [0, 1] (optional), "tag": T}`` (submitted at once),
-``{"op": "drain"}``, ``{"op": "signal", "path": P}`` (create a file),
+``{"op": "drain"}``, ``{"op": "reset_prefix_cache"}`` (vLLM's GPU prefix cache),
+``{"op": "signal", "path": P}`` (create a file),
 ``{"op": "wait_for", "path": P}``, ``{"op": "stats", "tag": T}``, ``{"op":
 "record_preloads"}`` (from then on, each call of the connector's preload hook is recorded
 in ``preload_calls`` as a list of [request id, priority]) and ``{"op": "env"}`` (``env``:
@@ -71,6 +72,8 @@ def main() -> int:
                 res["env"] = _env()
             elif op == "drain":
                 H.drain(llm)
+            elif op == "reset_prefix_cache":
+                H.reset_prefix_cache(llm)
             elif op == "signal":
                 with open(step["path"], "w") as f:
                     f.write(str(os.getpid()))

@@ -228,6 +228,18 @@ def drain(llm, timeout: float = 60.0) -> None:
             m.on_worker_report(*rep)
 
 
+def reset_prefix_cache(llm, timeout: float = 30.0) -> None:
+    """Empty vLLM's GPU prefix cache (the next request of a cached prompt then comes from
+    py-kvcache). vLLM refuses while blocks are in use: blocks whose release it still
+    delays for a store job are waited for by draining again."""
+    end = time.monotonic() + timeout
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > end:
+            raise TimeoutError("vLLM's GPU prefix cache still has blocks in use")
+        drain(llm)
+        time.sleep(0.05)
+
+
 def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 

@@ -234,7 +234,7 @@ def test_sync_bad_slot_with_gpu_prefix_cache_is_recomputed(model_dir, workdir):
         try:
             outs = [H.generate(llm, _turn(ctx, 0, 0))]
             H.drain(llm)
-            llm.reset_prefix_cache()  # the next turn must come from the DRAM tier
+            H.reset_prefix_cache(llm)  # the next turn must come from the DRAM tier
             if corrupt:
                 assert llm.collective_rpc(_zero_dram_headers)[0] >= 3
             outs += H.generate_many(llm, [_turn(ctx, 1, j) for j in range(3)])

@@ -110,15 +110,18 @@ def test_recompute_store_and_dram_hit_give_identical_tokens(ref032, stored032, r
 
 
 def test_dram_load_sync_on_vllm_032(ref032, py032, model_dir, workdir):
-    """``dram_load_sync`` on 0.32's offloading scheduler: A stored, then A again (its 3
-    DRAM chunks, 768 of its 1000 tokens, loaded synchronously in the step that computes
-    the rest); same tokens as recompute."""
+    """``dram_load_sync`` on 0.32's offloading scheduler, with vLLM's GPU prefix cache on
+    (emptied between the two requests): A stored, then A again (its 3 DRAM chunks, 768 of
+    its 1000 tokens, loaded synchronously in the step that computes the rest: vLLM has
+    already entered that range in its prefix cache, and the load must still bring it);
+    same tokens as recompute."""
     root = os.path.join(workdir, "root_vllm032_sync")
     extra = H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES, preload_lookahead=0,
                            dram_load_sync=True)
-    r = _run(py032, {"model_dir": model_dir, "extra": extra, "steps": [
+    r = _run(py032, {"model_dir": model_dir, "extra": extra,
+                     "llm_kwargs": {"enable_prefix_caching": True}, "steps": [
         {"op": "generate", "prompt": "A", "tag": "a1"}, {"op": "drain"},
-        {"op": "stats", "tag": "stored"},
+        {"op": "stats", "tag": "stored"}, {"op": "reset_prefix_cache"},
         {"op": "generate", "prompt": "A", "tag": "a2"}, {"op": "drain"},
         {"op": "stats", "tag": "hit"}]})
     ref, res = ref032["results"], r["results"]
