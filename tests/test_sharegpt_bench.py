@@ -609,3 +609,22 @@ def test_variant_runs_a_py_kvcache_config_with_extra_keys_under_its_own_name(tmp
     S.write_table(out, str(tmp_path / "t.md"))
     assert '`kvcache_admit` = `kvcache` with `eviction_policy="lru-admit"`' in (
         tmp_path / "t.md").read_text()
+
+
+def test_table_flags_a_cache_that_stopped_working(tmp_path):
+    """A py-kvcache server whose cache died during the replay (its last metrics say
+    healthy 0 / reactor_dead) is flagged under the table: its row measured recompute."""
+    from kvcache_core.bench import sharegpt as S
+
+    ok = {"vllm:pykvcache_healthy": 1.0}
+    dead = {"vllm:pykvcache_healthy": 0.0, "vllm:pykvcache_reactor_dead_total": 1.0,
+            "vllm:pykvcache_reactor_stalled_total": 1.0}
+    out = {"model": "m", "machine": "cpu", "n_requests": 1, "rate": 1.0, "cpu_bytes": 1 << 30,
+           "results": [{"config": "prefix_cache", "mean_ttft_s": 0.1},
+                       {"config": "kvcache", "mean_ttft_s": 0.1, "metrics": ok},
+                       {"config": "kvcache_sync", "mean_ttft_s": 0.2, "metrics": dead}]}
+    S.write_table(out, str(tmp_path / "t.md"))
+    text = (tmp_path / "t.md").read_text()
+    assert "**`kvcache_sync`: the cache stopped working during the run** (healthy=0, " \
+           "reactor_dead=1, reactor_stalled=1;" in text
+    assert "`kvcache`: the cache" not in text

@@ -1108,10 +1108,31 @@ def write_table(out: dict, path: str) -> None:
         notes.append(f"`{n}` = `{v['base']}` with "
                      + ", ".join(f"`{k}={json.dumps(x)}`" for k, x in v["kv_extra"].items())
                      + ".")
+    notes += broken_cache_notes(rows)
     if notes:
         lines += [""] + notes
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def broken_cache_notes(rows: list[dict]) -> list[str]:
+    """One warning per py-kvcache row whose server's cache stopped working during the
+    run (its last metrics: ``healthy`` 0, a reactor death or a watchdog stall): from then
+    on that engine recomputed every prefix, so the row is not a measurement of the
+    cache."""
+    out = []
+    for r in rows:
+        m = r.get("metrics") or {}
+        healthy = m.get("vllm:pykvcache_healthy")
+        dead = m.get("vllm:pykvcache_reactor_dead_total", 0)
+        stalled = m.get("vllm:pykvcache_reactor_stalled_total", 0)
+        if healthy == 0 or dead or stalled:
+            out.append(f"**`{r['config']}`: the cache stopped working during the run** "
+                       f"(healthy={'?' if healthy is None else f'{healthy:g}'}, "
+                       f"reactor_dead={dead:g}, reactor_stalled={stalled:g}; the engine "
+                       "recomputed every prefix from then on): this row does not measure "
+                       "the cache; see the server log.")
+    return out
 
 
 def workload_title(out: dict) -> str:
