@@ -51,10 +51,7 @@ run() { # $1=before|after $2=config $3=round
   echo "$(($(date +%s)-T0))s $1 $2 r$3 rc=$rc"
 }
 desc() { local c; for c in $(pgrep -P "$1"); do echo "$c"; desc "$c"; done; }
-if [ -z "${PYSPY:-}" ] && ls .gpu/extra/py_spy-*.whl >/dev/null 2>&1; then
-  python3 -m zipfile -e "$(ls .gpu/extra/py_spy-*.whl | head -1)" /tmp/pyspyw
-  PYSPY=$(find /tmp/pyspyw -name py-spy -type f | head -1); chmod +x "$PYSPY"
-fi
+[ -n "${PYSPY:-}" ] || PYSPY=$(bash scripts/pyspy_bin.sh)
 SITE=$(python3 -c 'import vllm,os;print(os.path.dirname(os.path.dirname(vllm.__file__)))')
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" >/dev/null
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" --check

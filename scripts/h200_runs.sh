@@ -145,10 +145,7 @@ case "$STEP" in
            --gpu-memory-utilization "${GMU:-0.3}")
     fi
     if [ -n "${PROFILE:-}" ]; then
-      # py-spy from its wheel in .gpu/extra (pip --target does not install its binary)
-      W=$(ls .gpu/extra/py_spy-*.whl | head -1)
-      python3 -m zipfile -e "$W" /tmp/pyspyw
-      PYSPY=$(find /tmp/pyspyw -name py-spy -type f | head -1); chmod +x "$PYSPY"
+      PYSPY=$(bash scripts/pyspy_bin.sh)  # from its wheel in .gpu/extra
       PAR+=(--profile "$PROFILE" --py-spy "$PYSPY" --profile-rate 100)
       if [ -n "${PROFILE_IDLE:-}" ]; then PAR+=(--profile-idle); fi
     fi
@@ -198,9 +195,7 @@ case "$STEP" in
     VAR=()
     for v in ${VARIANTS:-}; do VAR+=(--variant "$v"); done
     if [ -n "${PROFILE:-}" ]; then
-      W=$(ls .gpu/extra/py_spy-*.whl | head -1)
-      python3 -m zipfile -e "$W" /tmp/pyspyw
-      PYSPY=$(find /tmp/pyspyw -name py-spy -type f | head -1); chmod +x "$PYSPY"
+      PYSPY=$(bash scripts/pyspy_bin.sh)
       VAR+=(--profile "$PROFILE" --py-spy "$PYSPY" --profile-rate 100)
       if [ -n "${PROFILE_IDLE:-}" ]; then VAR+=(--profile-idle); fi
     fi

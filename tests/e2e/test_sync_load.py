@@ -173,14 +173,19 @@ def _turn(ctx: list[int], r: int, j: int) -> list[int]:
     return ctx + [(r * 31 + j * 17 + k * 13) % 3900 + 100 for k in range(40 + j)]
 
 
+def _prefix_cache_llm(model_dir: str, root: str, **extra):
+    """An engine with vLLM's GPU prefix cache ON with room for about 2 contexts (it
+    thrashes), 4 running requests, and a DRAM tier that holds every context."""
+    return H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=16 * H.FILE_BYTES,
+                                                **extra),
+                      enable_prefix_caching=True, max_num_seqs=4, num_gpu_blocks_override=16,
+                      max_model_len=16 * 128)
+
+
 def _prefix_cache_run(model_dir: str, root: str, sync: bool) -> dict:
-    """4 shared contexts x 3 rounds, the turns of a round submitted at once (4 running),
-    vLLM's GPU prefix cache ON with room for about 2 contexts (it thrashes), a DRAM tier
-    that holds them all; a pause longer than the watchdog's limit before each round."""
-    llm = H.make_llm(model_dir, H.extra_config(
-        root, dram_cache_bytes=16 * H.FILE_BYTES, dram_load_sync=sync, io_timeout_s=0.25),
-        enable_prefix_caching=True, max_num_seqs=4, num_gpu_blocks_override=16,
-        max_model_len=16 * 128)
+    """4 shared contexts x 3 rounds, the turns of a round submitted at once, on
+    :func:`_prefix_cache_llm`; a pause longer than the watchdog's limit before each round."""
+    llm = _prefix_cache_llm(model_dir, root, dram_load_sync=sync, io_timeout_s=0.25)
     try:
         outs = []
         for r in range(3):
@@ -214,8 +219,7 @@ def test_sync_dram_hits_with_gpu_prefix_cache_and_concurrency(model_dir, workdir
     assert st["chunks_loaded_dram"] == st["loads_dram"] > 0, st
     assert st["healthy"] == 1 and not st.get("reactor_stalled"), st
     assert st["loads_in_flight"] == 0
-    assert a["stats"]["healthy"] == 1 and "loads_sync" not in {
-        k for k, v in a["stats"].items() if v}
+    assert a["stats"]["healthy"] == 1 and not a["stats"].get("loads_sync")
 
 
 def test_sync_bad_slot_with_gpu_prefix_cache_is_recomputed(model_dir, workdir):
@@ -227,10 +231,7 @@ def test_sync_bad_slot_with_gpu_prefix_cache_is_recomputed(model_dir, workdir):
     ctx = CONTEXTS[0]
 
     def run(root: str, corrupt: bool) -> list[dict]:
-        llm = H.make_llm(model_dir, H.extra_config(
-            root, dram_cache_bytes=16 * H.FILE_BYTES, dram_load_sync=True),
-            enable_prefix_caching=True, max_num_seqs=4, num_gpu_blocks_override=16,
-            max_model_len=16 * 128)
+        llm = _prefix_cache_llm(model_dir, root, dram_load_sync=True)
         try:
             outs = [H.generate(llm, _turn(ctx, 0, 0))]
             H.drain(llm)
