@@ -628,3 +628,17 @@ def test_table_flags_a_cache_that_stopped_working(tmp_path):
     assert "**`kvcache_sync`: the cache stopped working during the run** (healthy=0, " \
            "reactor_dead=1, reactor_stalled=1;" in text
     assert "`kvcache`: the cache" not in text
+
+
+def test_parallel_servers_get_disjoint_internal_port_windows():
+    """Servers started at once (ports --port + i) scan for vLLM's internal ports from
+    windows that never overlap each other or the HTTP ports (the H200 replay lost its
+    native_fs server to a torch.distributed EADDRINUSE race without them)."""
+    http = [8321 + i for i in range(8)]
+    bases = [S.internal_port_base(p) for p in http]
+    windows = [range(b, b + 40) for b in bases]
+    for i, w in enumerate(windows):
+        assert not any(p in w for p in http)
+        for v in windows[i + 1:]:
+            assert not set(w) & set(v)
+    assert all(1024 < b and b + 40 < 65536 for b in bases)

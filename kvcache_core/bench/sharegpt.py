@@ -851,6 +851,13 @@ def py_spy_works(exe: str) -> bool:
     return ok
 
 
+def internal_port_base(http_port: int) -> int:
+    """``VLLM_PORT`` for the server on ``http_port``: the first of a window of 40 ports
+    (vLLM scans upward from it for its internal sockets), disjoint for HTTP ports that
+    differ by less than 1000 and outside the HTTP ports themselves (20000-59999)."""
+    return 20000 + (http_port % 1000) * 40
+
+
 class Server:
     """One configuration's ``vllm serve`` in its own process group.
 
@@ -885,6 +892,10 @@ class Server:
                 os.unlink(p)
         env = dict(os.environ, PYTHONHASHSEED="0")
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        # servers started at once must not race for the same free port of vLLM's
+        # internal sockets (torch.distributed's init port: the eleventh session's native_fs
+        # server died of EADDRINUSE on 45001): each scans up from its own window
+        env["VLLM_PORT"] = str(internal_port_base(self.port))
         if self.cfg.startswith("kvcache"):
             env["KVCACHE_STATS_FILE"] = self.stats
         if self.cfg == "lmcache":

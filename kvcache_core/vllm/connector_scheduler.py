@@ -107,6 +107,24 @@ class _Unhashed:
         self.block_id = block_id
 
 
+def dram_load_sync_supported(cs: object, opts: VllmOptions) -> bool:
+    """Whether vLLM's offloading scheduler ``cs`` has the internals ``dram_load_sync``
+    uses (vLLM 0.26 and 0.32 do). Without them an explicit ``dram_load_sync: true`` is a
+    :class:`ConfigError`; the default (key not set) falls back to asynchronous DRAM loads
+    with a warning, so an operator on another vLLM still starts."""
+    missing = [a for a in ("_current_batch_load_jobs", "_jobs", "_req_status",
+                           "update_connector_output") if not hasattr(cs, a)]
+    if missing and opts.dram_load_sync_set:
+        raise ConfigError("py-kvcache config key 'dram_load_sync': this vLLM's offloading "
+                          "scheduler lacks " + ", ".join(missing) +
+                          " (present in vLLM 0.26 and 0.32); set it to false")
+    if missing:
+        log.warning("py-kvcache: this vLLM's offloading scheduler lacks %s; DRAM hits "
+                    "are loaded asynchronously (dram_load_sync off)", ", ".join(missing))
+        return False
+    return True
+
+
 class _QueueAdmission:
     """One scheduler step's queue-aware preload decision (``admit`` of
     :meth:`PyKVCacheManager.plan_preloads`), over the waiting requests in scheduling order.
@@ -189,12 +207,7 @@ class SchedulerSide:
         self._sync_pending: dict[int, int] = {}
         self._num_workers: int = int(cs.config.num_workers)
         if self.dram_load_sync:
-            missing = [a for a in ("_current_batch_load_jobs", "_jobs", "_req_status",
-                                   "update_connector_output") if not hasattr(cs, a)]
-            if missing:
-                raise ConfigError("py-kvcache config key 'dram_load_sync': this vLLM's "
-                                  "offloading scheduler lacks " + ", ".join(missing) +
-                                  " (present in vLLM 0.26 and 0.32); set it to false")
+            self.dram_load_sync = dram_load_sync_supported(cs, opts)
         if opts.breakeven_table:
             self._init_gate(opts, opts.breakeven_table, vllm_config)
         dm = opts.disk_min_prefix_tokens

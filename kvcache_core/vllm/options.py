@@ -103,7 +103,9 @@ GLUE_KEY_HELP: dict[str, str] = {
     "concurrent decode a step is tens of ms. Disk hits stay asynchronous. A DRAM block that "
     "fails its check is recomputed (vLLM's load-failure recovery, reported in the same "
     "step). Uses internals of vLLM's offloading scheduler, checked at start-up (a vLLM "
-    "without them refuses the key). Default false (not yet measured on a GPU).",
+    "without them refuses an explicit true; the default then falls back to asynchronous loads "
+    "with a warning). Default true: on the H200 it lowered DRAM-hit TTFT at 4k-16k "
+    "(0.68-0.77x) and the Bailian-coder replay's mean TTFT (0.20x under a queue).",
     "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
     "that is too short (or on a disk too slow) to win when read on demand, if its expected "
     "queueing time (the table's recompute times of the requests ahead) covers the read "
@@ -121,7 +123,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "model_id": "model path", "load_failure_policy": "`recompute`", "preload_lookahead": "4",
     "preload_max_blocks": "64", "breakeven_table": "-", "disk_min_prefix_tokens": "`auto`",
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
-    "dram_load_sync": "false",
+    "dram_load_sync": "true",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -150,7 +152,10 @@ class VllmOptions:
     #: :func:`model_identity` digest injected by the connector (None: not known)
     model_identity: str | None = None
     #: DRAM-tier hits loaded synchronously, in the step that computes their request
-    dram_load_sync: bool = False
+    dram_load_sync: bool = True
+    #: whether the config set ``dram_load_sync`` (an explicit true is refused by a vLLM
+    #: without the scheduler internals; the default falls back to asynchronous loads)
+    dram_load_sync_set: bool = False
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -222,7 +227,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     _need(lc == "auto" or (isinstance(lc, (int, float)) and not isinstance(lc, bool)
                            and 0 <= lc <= 3600),
           "disk_lookup_cache_s", "must be a number of seconds in 0..3600 or 'auto'", lc)
-    dls = ex.get("dram_load_sync", False)
+    dls = ex.get("dram_load_sync", True)
     _need(isinstance(dls, bool), "dram_load_sync", "must be true or false", dls)
     return VllmOptions(storage=storage, explicit_block_size="block_size" in d,
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
@@ -230,7 +235,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
                        preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt,
                        queue_aware_preload=qa, disk_min_prefix_tokens=dm,
                        disk_lookup_cache_s=lc,
-                       model_identity=ex.get(MODEL_IDENTITY_KEY), dram_load_sync=dls)
+                       model_identity=ex.get(MODEL_IDENTITY_KEY), dram_load_sync=dls,
+                       dram_load_sync_set="dram_load_sync" in ex)
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:

@@ -162,7 +162,30 @@ def test_dram_load_sync_must_be_a_bool():
     with pytest.raises(ConfigError, match="dram_load_sync"):
         parse_extra_config({"spec_name": "PyKVCacheSpec", "dram_load_sync": "yes"})
     assert parse_extra_config({"dram_load_sync": True}).dram_load_sync is True
-    assert parse_extra_config({}).dram_load_sync is False
+    assert parse_extra_config({}).dram_load_sync is True  # the default since session 11
+    assert parse_extra_config({}).dram_load_sync_set is False
+    assert parse_extra_config({"dram_load_sync": False}).dram_load_sync is False
+
+
+def test_dram_load_sync_on_a_vllm_without_the_internals(caplog):
+    """Another vLLM's offloading scheduler without the internals: the default falls back
+    to asynchronous loads with a warning, an explicit true is refused by name."""
+    from types import SimpleNamespace
+
+    from kvcache_core.vllm.connector_scheduler import dram_load_sync_supported
+
+    full = SimpleNamespace(_current_batch_load_jobs=[], _jobs={}, _req_status={},
+                           update_connector_output=lambda *_: None)
+    bare = SimpleNamespace(_jobs={})
+    default = parse_extra_config({})
+    explicit = parse_extra_config({"dram_load_sync": True})
+    assert dram_load_sync_supported(full, default) is True
+    assert dram_load_sync_supported(full, explicit) is True
+    with caplog.at_level("WARNING", logger="vllm.pykvcache"):
+        assert dram_load_sync_supported(bare, default) is False
+    assert "_req_status" in caplog.text and "asynchronously" in caplog.text
+    with pytest.raises(ConfigError, match="dram_load_sync.*_current_batch_load_jobs"):
+        dram_load_sync_supported(bare, explicit)
 
 
 CONTEXTS = [[(i * m + c) % 3900 + 100 for i in range(800)]
