@@ -614,8 +614,6 @@ def test_variant_runs_a_py_kvcache_config_with_extra_keys_under_its_own_name(tmp
 def test_table_flags_a_cache_that_stopped_working(tmp_path):
     """A py-kvcache server whose cache died during the replay (its last metrics say
     healthy 0 / reactor_dead) is flagged under the table: its row measured recompute."""
-    from kvcache_core.bench import sharegpt as S
-
     ok = {"vllm:pykvcache_healthy": 1.0}
     dead = {"vllm:pykvcache_healthy": 0.0, "vllm:pykvcache_reactor_dead_total": 1.0,
             "vllm:pykvcache_reactor_stalled_total": 1.0}
