@@ -640,3 +640,140 @@ def test_parallel_servers_get_disjoint_internal_port_windows():
         for v in windows[i + 1:]:
             assert not set(w) & set(v)
     assert all(1024 < b and b + 40 < 65536 for b in bases)
+
+
+def test_round_order_balances_who_serves_first_and_who_follows_whom():
+    cfgs = ["prefix_cache", "native_cpu", "lmcache", "kvcache"]
+    orders = [S.round_order(cfgs, r) for r in range(4)]
+    assert orders[0][0] == "prefix_cache" and S.round_order(cfgs, 4) == orders[0]
+    pairs = [(o[i], o[i + 1]) for o in orders for i in range(3)]
+    assert len(pairs) == len(set(pairs)) == 12  # every ordered neighbour pair once
+    for c in cfgs:
+        assert sorted(o.index(c) for o in orders) == [0, 1, 2, 3]  # every position once
+    odd = ["a", "b", "c"]
+    orders = [S.round_order(odd, r) for r in range(6)]
+    assert all(sorted(o) == odd for o in orders)
+    pairs = [(o[i], o[i + 1]) for o in orders for i in range(2)]
+    assert {p: pairs.count(p) for p in pairs} == {p: 2 for p in set(pairs)}
+    assert len(set(pairs)) == 6
+    assert S.round_order([], 3) == [] and S.round_order(["x"], 5) == ["x"]
+
+
+def test_quiesce_waits_for_the_servers_to_go_idle():
+    """Samples (CPU s, disk bytes): busy for two windows, then idle."""
+    seq = iter([(0.0, 0), (1.0, 0), (2.0, 50_000_000), (2.001, 50_000_100)])
+    waited, quiet = S.quiesce([], 5.0, window_s=0.01, sample=lambda: next(seq))
+    assert quiet and waited >= 0.03  # the third window was the first idle one
+    # disk traffic alone also counts as busy
+    seq = iter([(0.0, 0), (0.0, 10_000_000), (0.0, 10_000_001)])
+    waited, quiet = S.quiesce([], 5.0, window_s=0.01, sample=lambda: next(seq))
+    assert quiet and waited >= 0.02
+
+
+def test_quiesce_gives_up_after_its_limit():
+    n = iter(range(10_000))
+    waited, quiet = S.quiesce([], 0.05, window_s=0.01,
+                              sample=lambda: (float(next(n)), 0))  # 100 cores busy
+    assert not quiet and 0.05 <= waited < 1.0
+
+
+def test_quiesce_sees_a_real_busy_process_group():
+    """A real process spinning in its own process group keeps quiesce waiting; once it
+    is killed, the group is idle (the disk is left out: CI machines write meanwhile)."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                            start_new_session=True)
+    try:
+        time.sleep(0.3)
+        assert S._groups_cpu_s([busy.pid]) > 0
+        waited, quiet = S.quiesce([busy.pid], 0.6, window_s=0.2, disk_bps=float("inf"))
+        assert not quiet
+    finally:
+        S.kill_group(busy)
+    waited, quiet = S.quiesce([busy.pid], 2.0, window_s=0.2, disk_bps=float("inf"))
+    assert quiet and waited < 1.0
+    assert S._disk_io_bytes() >= 0
+
+
+class _FakeServer:
+    """Stands for one `vllm serve` in run_parallel: a real idle process group; a round
+    records when it ran."""
+    log: list = []
+
+    def __init__(self, args, cfg, model_dir, name, port):
+        self.cfg, self.proc = cfg, None
+
+    def start(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                     start_new_session=True)
+
+    def wait_ready(self, deadline):
+        return True
+
+    def replay_round(self, rnd, reqs, deadline):
+        _FakeServer.log.append((rnd, self.cfg))
+        return _row(self.cfg, 0.1 * (rnd + 1), round=rnd)
+
+    def stop(self):
+        S.kill_group(self.proc)
+        return {}
+
+
+def test_parallel_rounds_rotate_and_start_on_idle_servers(monkeypatch):
+    monkeypatch.setattr(S, "Server", _FakeServer)
+    _FakeServer.log = []
+    cfgs = ["prefix_cache", "native_cpu", "kvcache"]
+    args = SimpleNamespace(port=9000, timeout=30, budget=0, quiesce=2.0)
+    per = {c: [] for c in cfgs}
+    S.run_parallel(args, cfgs, [[{}], [{}], [{}]], "m", "n", per, lambda: None)
+    assert _FakeServer.log == [(r, c) for r in range(3) for c in S.round_order(cfgs, r)]
+    assert [c for r, c in _FakeServer.log[3:6]] == ["native_cpu", "kvcache", "prefix_cache"]
+    for c in cfgs:
+        assert [r["round"] for r in per[c]] == [0, 1, 2]
+        assert all(r["quiet_start"] and 0 < r["quiesce_s"] < 2.0 for r in per[c]), per[c]
+
+
+def _result(rounds: list[tuple[str, list[float]]], **top) -> dict:
+    rows = []
+    for cfg, means in rounds:
+        rs = [_row(cfg, m, round=i) for i, m in enumerate(means)]
+        rows.append(S.combine_rounds(rs))
+    return {"machine": "H200", "model": "llama-3.2-3b", "rate": 2.0, "n_requests": 10,
+            "workload": "wl-longbench-docs.jsonl.gz", "rounds": 2, "results": rows, **top}
+
+
+def test_merge_combines_the_rounds_of_several_calls(tmp_path):
+    a = _result([("prefix_cache", [0.1, 0.3]), ("kvcache", [0.2])])
+    b = _result([("kvcache", [0.4, 0.5]), ("lmcache", [0.9])])
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    out = str(tmp_path / "m" / "merged.json")
+    assert S.main(["merge", str(pa), str(pb), "--json", out]) == 0
+    m = json.load(open(out))
+    rows = {r["config"]: r for r in m["results"]}
+    assert list(rows) == ["prefix_cache", "kvcache", "lmcache"]
+    assert m["merged_from"] == ["a.json", "b.json"] and m["rounds"] == 3
+    kv = rows["kvcache"]  # rounds 0.2 | 0.4, 0.5: the median of the three round means
+    assert kv["n_rounds"] == 3 and len(kv["rounds"]) == 3
+    assert kv["mean_ttft_s"] == pytest.approx(_row("kvcache", 0.4)["mean_ttft_s"])
+    assert len(kv["ttft_all"]) == 30 and kv["n_requests"] == 30
+    assert rows["prefix_cache"]["n_rounds"] == 2 and len(rows["prefix_cache"]["ttft_all"]) == 20
+    assert rows["lmcache"]["n_rounds"] == 1 and len(rows["lmcache"]["rounds"]) == 1
+    md = open(out[:-5] + ".md").read()
+    assert "| kvcache |" in md and os.path.getsize(out[:-5] + ".png") > 1000
+
+
+def test_merge_refuses_results_of_different_replays(tmp_path, capsys):
+    a = _result([("kvcache", [0.2])])
+    b = _result([("kvcache", [0.2])], rate=4.0)
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    with pytest.raises(SystemExit) as e:
+        S.main(["merge", str(pa), str(pb), "--json", str(tmp_path / "m.json")])
+    assert "not the same replay" in str(e.value) and "rate" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        S.main(["merge", str(pa), str(tmp_path / "missing.json"), "--json",
+                str(tmp_path / "m.json")])
+    assert "cannot read" in str(e.value)
+    assert not os.path.exists(tmp_path / "m.json")

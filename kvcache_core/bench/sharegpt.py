@@ -41,6 +41,13 @@ Two steps:
             send to the first streamed chunk carrying output; ITL from the gaps between
             output chunks; throughput = completed requests / wall time.
 
+  merge     combines the result JSONs of several calls of one replay (the same workload,
+            model, request count and rate; each call started its servers afresh) into
+            one: every configuration's rounds from all of them, medians as within a call.
+            A GPU call holds 2-3 rounds of 4-6 configurations, and rounds of one
+            configuration differ by up to 2x on the queued workloads, so decisions need
+            the rounds of several calls.
+
 Output of ``run --json OUT.json``: {"machine", "model", "rate", "n_requests", "results":
 [one row per config: config, mean/median/p90/p99 TTFT, mean ITL, throughput_rps,
 n_requests, n_errors, py-kvcache counters ...]}, OUT.md (table, ratios against
@@ -70,10 +77,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
+
+T = TypeVar("T")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: configurations that write files under --root (they share its free space)
@@ -704,6 +713,67 @@ def _shm_files(pids: list[int]) -> set[str]:
         except OSError:
             continue
     return out
+
+
+def _groups_cpu_s(pgids: Sequence[int]) -> float:
+    """CPU seconds (user + system) used so far by the live processes of ``pgids``."""
+    want, ticks = set(pgids), 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(rest[2]) in want and rest[0] != "Z":
+            ticks += int(rest[11]) + int(rest[12])  # utime, stime (fields 14, 15)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _disk_io_bytes() -> int:
+    """Bytes read + written so far by every whole disk of the machine (/proc/diskstats,
+    devices listed in /sys/block; 0 where neither can be read)."""
+    try:
+        disks = set(os.listdir("/sys/block"))
+        with open("/proc/diskstats") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    sectors = 0
+    for line in lines:
+        p = line.split()
+        if len(p) >= 10 and p[2] in disks and not p[2].startswith(("loop", "ram")):
+            sectors += int(p[5]) + int(p[9])
+    return sectors * 512
+
+
+#: a machine is quiet for the next round when, over QUIET_WINDOW_S, the servers use less
+#: than QUIET_CPU_CORES of CPU together and the disks move less than QUIET_DISK_BPS
+QUIET_WINDOW_S = 0.5
+QUIET_CPU_CORES = 0.5
+QUIET_DISK_BPS = 20e6
+
+
+def quiesce(pgids: Sequence[int], max_s: float, *, window_s: float = QUIET_WINDOW_S,
+            cpu_cores: float = QUIET_CPU_CORES, disk_bps: float = QUIET_DISK_BPS,
+            sample: Callable[[], tuple[float, int]] | None = None) -> tuple[float, bool]:
+    """Wait (up to ``max_s``) until the servers of ``pgids`` are idle: what one
+    configuration still does after its round (write-back of its stored KV, LMCache's disk
+    writes, native_fs's flushes) must not run into the next configuration's round, which
+    would charge it to whichever configuration comes next. ``sample`` (tests) returns
+    (CPU seconds, disk bytes). Returns (seconds waited, whether it became quiet)."""
+    take = sample or (lambda: (_groups_cpu_s(pgids), _disk_io_bytes()))
+    t0 = time.monotonic()
+    cpu0, io0 = take()
+    while True:
+        time.sleep(window_s)
+        cpu1, io1 = take()
+        if (cpu1 - cpu0) / window_s < cpu_cores and (io1 - io0) / window_s < disk_bps:
+            return time.monotonic() - t0, True
+        if time.monotonic() - t0 >= max_s:
+            return time.monotonic() - t0, False
+        cpu0, io0 = cpu1, io1
 
 
 def kill_group(proc: subprocess.Popen) -> int:
@@ -1379,7 +1449,13 @@ def run_parallel(args, configs: list[str], slices: list[list[dict]], model_dir: 
     vLLM's memory profiling), then rounds interleaved across them (A,B,C,A,B,C...): only
     one server serves at a time, the others idle. Saves the server starts of the
     sequential mode (30-110 s each on the H200) so more rounds fit in one call; round r
-    replays ``slices[r]`` (:func:`round_slices`)."""
+    replays ``slices[r]`` (:func:`round_slices`). The serving order changes per round
+    (:func:`round_order`, a balanced Latin square), and before each configuration's round
+    the servers must be idle (:func:`quiesce`, up to ``--quiesce`` seconds): the twelfth
+    session's calls ran the configurations in one fixed order with 1 s between them, so
+    whatever a disk-writing configuration (up to 20 GB per round on LongBench-docs) still
+    wrote back after its round ran into the next configuration's round, always the same
+    one. "Idle" is relative to the servers' own idle load, sampled once all are up."""
     servers = [Server(args, c, model_dir, name, args.port + i) for i, c in enumerate(configs)]
     t_begin = time.monotonic()
     try:
@@ -1388,6 +1464,13 @@ def run_parallel(args, configs: list[str], slices: list[list[dict]], model_dir: 
         deadline = time.monotonic() + args.timeout
         for s in servers:
             s.wait_ready(deadline)
+        pgids = [s.proc.pid for s in servers if s.proc is not None]
+        base_cpu = base_io = 0.0
+        if args.quiesce > 0:  # what the idle servers use anyway (vLLM's stats loggers...)
+            cpu0, io0 = _groups_cpu_s(pgids), _disk_io_bytes()
+            time.sleep(1.0)
+            base_cpu, base_io = _groups_cpu_s(pgids) - cpu0, _disk_io_bytes() - io0
+            log(f"idle servers: {base_cpu:.2f} CPU cores, {base_io / 1e6:.1f} MB/s of disk")
         longest = 0.0
         for rnd, part in enumerate(slices):
             elapsed = time.monotonic() - t_begin
@@ -1395,10 +1478,17 @@ def run_parallel(args, configs: list[str], slices: list[list[dict]], model_dir: 
                 log(f"budget of {args.budget:.0f}s: stopping after {rnd} rounds")
                 break
             t0 = time.monotonic()
-            for k, s in enumerate(servers, 1):
+            for k, s in enumerate(round_order(servers, rnd), 1):
                 log(f"round {rnd + 1}/{len(slices)} [{k}/{len(servers)}] {s.cfg}")
-                per_cfg[s.cfg].append(
-                    s.replay_round(rnd, part, time.monotonic() + args.timeout))
+                waited, quiet = quiesce(
+                    pgids, args.quiesce, cpu_cores=base_cpu + QUIET_CPU_CORES,
+                    disk_bps=base_io + QUIET_DISK_BPS) if args.quiesce > 0 else (0.0, True)
+                if not quiet:
+                    log(f"{s.cfg}: the servers were still busy after {waited:.1f}s "
+                        "(--quiesce); replaying anyway")
+                row = s.replay_round(rnd, part, time.monotonic() + args.timeout)
+                row.update(quiesce_s=round(waited, 2), quiet_start=quiet)
+                per_cfg[s.cfg].append(row)
                 publish()
             longest = time.monotonic() - t0
     finally:
@@ -1406,6 +1496,87 @@ def run_parallel(args, configs: list[str], slices: list[list[dict]], model_dir: 
             cleanup = s.stop()
             if per_cfg[s.cfg]:
                 per_cfg[s.cfg][-1].update(cleanup)
+
+
+def round_order(items: Sequence[T], rnd: int) -> list[T]:
+    """The configurations of round ``rnd`` in serving order: rows of a Williams design
+    (balanced Latin square), so that over ``n`` rounds (``2n`` for an odd count) every
+    configuration serves first equally often and follows every other one equally often:
+    none always runs right after the same neighbour, nor always first after start-up."""
+    n = len(items)
+    if n == 0:
+        return []
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    r = rnd % (2 * n if n % 2 else n)
+    row = [items[(b + r) % n] for b in base]
+    return row[::-1] if r >= n else row
+
+
+def merge_results(parts: list[dict], names: list[str]) -> dict:
+    """One result from several calls' result JSONs of the same workload, model, request
+    count and rate (each call started its servers afresh): every configuration's rounds
+    from all of them, combined as one call's rounds are (:func:`combine_rounds`).
+    Raises ValueError when the files are not runs of the same replay."""
+    ident = [(p.get("workload"), p.get("model"), p.get("n_requests"), p.get("rate"))
+             for p in parts]
+    if len(set(ident)) != 1:
+        raise ValueError("not the same replay (workload, model, n_requests, rate): "
+                         + "; ".join(f"{n}: {i}" for n, i in zip(names, ident, strict=True)))
+    per: dict[str, list[dict]] = {}
+    for p in parts:
+        for r in p.get("results", []):
+            rounds = [dict(x) for x in (r.get("rounds") or [r])]
+            for x in rounds:
+                x.pop("ttft_all", None)
+            # a call's TTFTs (for the CDF) ride on its first round; combine_rounds
+            # concatenates them
+            rounds[0]["ttft_all"] = list(r.get("ttft_all", []))
+            if "error" in r and len(rounds) == 1:
+                rounds[0]["error"] = r["error"]
+            per.setdefault(r["config"], []).extend(rounds)
+    out = {k: v for k, v in parts[0].items() if k != "results"}
+    out["rounds"] = max(len(v) for v in per.values()) if per else 0
+    out["merged_from"] = names
+    order = [r["config"] for p in parts for r in p.get("results", [])]
+    seen = list(dict.fromkeys(order))
+    rows = []
+    for c in seen:
+        rs = per[c]
+        if len(rs) == 1:  # combine_rounds returns a single round as it is
+            row = dict(rs[0])
+            row.setdefault("n_rounds", 1)
+            row["rounds"] = [{k: v for k, v in rs[0].items() if k != "ttft_all"}]
+        else:
+            row = combine_rounds(rs)
+        rows.append(row)
+    out["results"] = rows
+    return out
+
+
+def cmd_merge(args) -> int:
+    parts, names = [], []
+    for path in args.inputs:
+        try:
+            with open(path) as f:
+                parts.append(json.load(f))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"cannot read {path}: {e}") from None
+        names.append(os.path.basename(path))
+    try:
+        out = merge_results(parts, names)
+    except ValueError as e:
+        raise SystemExit(f"merge: {e}") from None
+    save(args, out)
+    log(f"wrote {args.json} (+ .md, .png): "
+        + ", ".join(f"{r['config']} {len(r.get('rounds') or [r])} rounds"
+                    for r in out["results"]))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1430,6 +1601,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "conversation")
     p.add_argument("--max-output-tokens", type=int, default=256,
                    help="cap of output_len (the real assistant answer's token count)")
+
+    m = sub.add_parser("merge", help="combine the result JSONs of several calls of the same "
+                       "replay (workload, model, n, rate) into one: every configuration's "
+                       "rounds from all of them, medians as within one call",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m.add_argument("inputs", nargs="+", help="result JSONs of `run --json` (2 or more)")
+    m.add_argument("--json", required=True, help="merged result (JSON; .md and .png beside it)")
 
     r = sub.add_parser("run", help="replay a prepared workload against vLLM's OpenAI server, "
                        "once per configuration",
@@ -1526,6 +1704,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--settle", type=float, default=1.0,
                    help="seconds to wait after the replay before reading the py-kvcache "
                    "counters (the last stores finish)")
+    r.add_argument("--quiesce", type=float, default=15.0,
+                   help="with --parallel: before each configuration's round, wait up to "
+                   "this many seconds until all servers together use < 0.5 CPU core and "
+                   "the disks move < 20 MB/s more than when idle after start-up (what "
+                   "the previous configuration still writes back must not run into the "
+                   "next one's round); 0 = do not wait. Each row records quiesce_s and "
+                   "quiet_start")
     r.add_argument("--server-arg", action="append", metavar="ARGS",
                    help="extra arguments for every server, e.g. --server-arg='--max-num-seqs "
                    "128' (repeatable)")
@@ -1536,6 +1721,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "prepare":
         return cmd_prepare(args)
+    if args.cmd == "merge":
+        return cmd_merge(args)
     return cmd_run(args)
 
 
