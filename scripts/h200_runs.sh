@@ -153,7 +153,8 @@ case "$STEP" in
       --workload "${WORKLOAD:-.gpu/sharegpt-llama3.jsonl.gz}" --root "$ROOT" \
       --json "$RES/sharegpt-$M.json" --machine "H200 (GPU machine)" --resume \
       --n "${N:-2000}" --rate "${RATE:-32}" --timeout "${TIMEOUT:-240}" \
-      --budget "${BUDGET:-420}" --rounds "${ROUNDS:-1}" "${PAR[@]}" "${KVX[@]}" \
+      --budget "${BUDGET:-420}" --rounds "${ROUNDS:-1}" --quiesce "${QUIESCE:-15}" \
+      "${PAR[@]}" "${KVX[@]}" \
       --configs "${CONFIGS:-prefix_cache,kvcache_dram,native_cpu,kvcache_disk,native_fs}" \
       || true
     for f in "$ROOT"/work/*.pyspy.txt; do
@@ -192,6 +193,10 @@ case "$STEP" in
     # keys beside the others (list NAME in CONFIGS), e.g.
     # VARIANTS=kvcache_admit=kvcache:eviction_policy=lru-admit. PROFILE=cfg,cfg (and
     # PROFILE_IDLE=1) as in the sharegpt step: py-spy summaries in $RES/pyspy-<cfg>.txt.
+    # QUIESCE (default 15): seconds each round may wait for every server to be idle (what
+    # the previous configuration still writes back); the serving order changes per round.
+    # Rounds of several calls of one workload combine with `python -m
+    # kvcache_core.bench.sharegpt merge A.json B.json --json OUT.json`.
     VAR=()
     for v in ${VARIANTS:-}; do VAR+=(--variant "$v"); done
     if [ -n "${PROFILE:-}" ]; then
@@ -203,6 +208,7 @@ case "$STEP" in
       --workload "$WL" --root "$ROOT" --json "$RES/replay-$WN$SFX-$M.json" "${VAR[@]}" \
       --machine "H200 (GPU machine)" --n "${N:-0}" --rate "${RATE:-2}" \
       --rounds "${ROUNDS:-1}" --timeout "${TIMEOUT:-300}" --budget "${BUDGET:-0}" \
+      --quiesce "${QUIESCE:-15}" \
       --parallel "${KVX[@]}" \
       --kv-cache-memory-bytes "${KVMEM:-21474836480}" --gpu-memory-utilization "${GMU:-0.2}" \
       --configs "${CONFIGS:-prefix_cache,native_cpu,native_fs,kvcache}" || true
