@@ -809,6 +809,49 @@ def test_merge_combines_the_rounds_of_several_calls(tmp_path):
     assert "| kvcache |" in md and os.path.getsize(out[:-5] + ".png") > 1000
 
 
+def test_merge_renames_per_file_and_keeps_the_asked_configurations(tmp_path):
+    """An older call's kvcache_sync is the later call's kvcache (the default changed):
+    renamed in that file only, the old kvcache moved aside, then filtered."""
+    a = _result([("kvcache", [0.9]), ("kvcache_sync", [0.2]), ("lmcache", [0.5])])
+    b = _result([("kvcache", [0.4]), ("lmcache", [0.6])])
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    out = str(tmp_path / "m.json")
+    S.main(["merge", f"{pa}:kvcache=kvcache_async,kvcache_sync=kvcache", str(pb), "--json",
+            out, "--configs", "kvcache,lmcache"])
+    m = json.load(open(out))
+    rows = {r["config"]: r for r in m["results"]}
+    assert set(rows) == {"kvcache", "lmcache"}
+    assert rows["kvcache"]["n_rounds"] == 2
+    assert {x["config"] for x in rows["kvcache"]["rounds"]} == {"kvcache"}
+    assert rows["kvcache"]["mean_ttft_s"] == pytest.approx(
+        (_row("k", 0.2)["mean_ttft_s"] + _row("k", 0.4)["mean_ttft_s"]) / 2)
+    assert m["merged_from"][0] == "a.json:kvcache=kvcache_async,kvcache_sync=kvcache"
+    with pytest.raises(SystemExit) as e:
+        S.main(["merge", f"{pa}:kvcache=", str(pb), "--json", out])
+    assert "expected PATH[:OLD=NEW" in str(e.value)
+
+
+def test_merge_leaves_out_rounds_whose_server_failed(tmp_path):
+    a = _result([("native_fs", [0.3])])
+    a["results"] = [{"config": "native_fs", "error": "server exited with code 1"}]
+    b = _result([("native_fs", [0.2, 0.4])])
+    c = _result([("native_fs", [0.5])])
+    c["results"] = [{"config": "native_fs", "error": "server exited with code 1"}]
+    paths = []
+    for n, d in (("a", a), ("b", b), ("c", c)):
+        paths.append(str(tmp_path / f"{n}.json"))
+        open(paths[-1], "w").write(json.dumps(d))
+    out = str(tmp_path / "m.json")
+    S.main(["merge", paths[0], paths[1], "--json", out])
+    row = json.load(open(out))["results"][0]
+    assert row["n_rounds"] == 2 and "error" not in row and len(row["ttft_all"]) == 20
+    S.main(["merge", paths[0], paths[2], "--json", out])  # failed in every call
+    row = json.load(open(out))["results"][0]
+    assert row["error"].startswith("server exited")
+
+
 def test_merge_refuses_results_of_different_replays(tmp_path, capsys):
     a = _result([("kvcache", [0.2])])
     b = _result([("kvcache", [0.2])], rate=4.0)
@@ -822,4 +865,9 @@ def test_merge_refuses_results_of_different_replays(tmp_path, capsys):
         S.main(["merge", str(pa), str(tmp_path / "missing.json"), "--json",
                 str(tmp_path / "m.json")])
     assert "cannot read" in str(e.value)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([{"config": "kvcache"}]))
+    with pytest.raises(SystemExit) as e:
+        S.main(["merge", str(pa), str(other), "--json", str(tmp_path / "m.json")])
+    assert "not a result of `run --json`" in str(e.value)
     assert not os.path.exists(tmp_path / "m.json")

@@ -1248,7 +1248,8 @@ def plot(out: dict, path: str) -> None:
     ax.set_title(f"{workload_title(out)} replay at {out['rate']} req/s: {out['model']} on "
                  f"{out['machine']}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # not when every configuration failed
+        ax.legend(fontsize=8)
     ax2.set_yscale("log")
     ax2.set_xlabel("request (arrival order)")
     ax2.set_ylabel("TTFT (s)")
@@ -1520,13 +1521,16 @@ def round_order(items: Sequence[T], rnd: int) -> list[T]:
 
 def merge_results(parts: list[dict], names: list[str]) -> dict:
     """One result from several calls' result JSONs of the same workload, model, request
-    count and rate (each call started its servers afresh): every configuration's rounds
-    from all of them, combined as one call's rounds are (:func:`combine_rounds`).
-    Raises ValueError when the files are not runs of the same replay."""
-    ident = [(p.get("workload"), p.get("model"), p.get("n_requests"), p.get("rate"))
-             for p in parts]
+    count, rate, GPU KV cache and host tier size (each call started its servers afresh):
+    every configuration's rounds from all of them, combined as one call's rounds are
+    (:func:`combine_rounds`); rounds whose server failed are left out where the
+    configuration has others. Raises ValueError when the files are not runs of the same
+    replay."""
+    ident = [(p.get("workload"), p.get("model"), p.get("n_requests"), p.get("rate"),
+              p.get("kv_cache_memory_bytes"), p.get("cpu_bytes")) for p in parts]
     if len(set(ident)) != 1:
-        raise ValueError("not the same replay (workload, model, n_requests, rate): "
+        raise ValueError("not the same replay (workload, model, n_requests, rate, GPU KV "
+                         "bytes, host tier bytes): "
                          + "; ".join(f"{n}: {i}" for n, i in zip(names, ident, strict=True)))
     per: dict[str, list[dict]] = {}
     for p in parts:
@@ -1534,6 +1538,7 @@ def merge_results(parts: list[dict], names: list[str]) -> dict:
             rounds = [dict(x) for x in (r.get("rounds") or [r])]
             for x in rounds:
                 x.pop("ttft_all", None)
+                x["config"] = r["config"]  # a renamed row's rounds carry the old name
             # a call's TTFTs (for the CDF) ride on its first round; combine_rounds
             # concatenates them
             rounds[0]["ttft_all"] = list(r.get("ttft_all", []))
@@ -1548,6 +1553,10 @@ def merge_results(parts: list[dict], names: list[str]) -> dict:
     rows = []
     for c in seen:
         rs = per[c]
+        good = [x for x in rs if "error" not in x]
+        if good and len(good) < len(rs):  # a call whose server failed adds no round
+            # (its CDF TTFTs ride on a failed first round only when the call had none)
+            rs = good
         if len(rs) == 1:  # combine_rounds returns a single round as it is
             row = dict(rs[0])
             row.setdefault("n_rounds", 1)
@@ -1559,15 +1568,42 @@ def merge_results(parts: list[dict], names: list[str]) -> dict:
     return out
 
 
+def _merge_input(text: str) -> tuple[str, dict[str, str]]:
+    """``PATH[:OLD=NEW[,OLD=NEW...]]`` of ``merge``: a result file, and configuration
+    names to rename in it (all at once, so ``a=b,b=a`` swaps), e.g. an older call's
+    ``kvcache_sync`` that is the same configuration as a later call's ``kvcache``."""
+    path, sep, spec = text.rpartition(":")
+    if not sep or "=" not in spec:
+        return text, {}
+    ren = {}
+    for item in spec.split(","):
+        old, eq, new = item.partition("=")
+        if not (eq and old and new):
+            raise SystemExit(f"merge input {text!r}: expected PATH[:OLD=NEW[,OLD=NEW]]")
+        ren[old] = new
+    return path, ren
+
+
 def cmd_merge(args) -> int:
     parts, names = [], []
-    for path in args.inputs:
+    for text in args.inputs:
+        path, ren = _merge_input(text)
         try:
             with open(path) as f:
-                parts.append(json.load(f))
+                part = json.load(f)
         except (OSError, ValueError) as e:
             raise SystemExit(f"cannot read {path}: {e}") from None
-        names.append(os.path.basename(path))
+        if not (isinstance(part, dict) and isinstance(part.get("results"), list)
+                and all(isinstance(r, dict) and "config" in r for r in part["results"])):
+            raise SystemExit(f"{path} is not a result of `run --json` (no results list "
+                             "of configuration rows)")
+        for r in part["results"]:
+            r["config"] = ren.get(r["config"], r["config"])
+        if args.configs:
+            part["results"] = [r for r in part["results"] if r["config"] in args.configs]
+        parts.append(part)
+        names.append(os.path.basename(path) + (
+            ":" + ",".join(f"{o}={n}" for o, n in ren.items()) if ren else ""))
     try:
         out = merge_results(parts, names)
     except ValueError as e:
@@ -1606,7 +1642,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "replay (workload, model, n, rate) into one: every configuration's "
                        "rounds from all of them, medians as within one call",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m.add_argument("inputs", nargs="+", help="result JSONs of `run --json` (2 or more)")
+    m.add_argument("inputs", nargs="+", metavar="PATH[:OLD=NEW,...]",
+                   help="result JSONs of `run --json` (2 or more); after a colon, "
+                   "configuration names to rename in that file first (e.g. "
+                   "s11.json:kvcache=kvcache_async,kvcache_sync=kvcache when an older "
+                   "call's kvcache_sync is the later calls' kvcache)")
+    m.add_argument("--configs", type=lambda v: [c for c in v.split(",") if c], default=[],
+                   metavar="CFG[,CFG]", help="keep only these configurations (after renaming)")
     m.add_argument("--json", required=True, help="merged result (JSON; .md and .png beside it)")
 
     r = sub.add_parser("run", help="replay a prepared workload against vLLM's OpenAI server, "
