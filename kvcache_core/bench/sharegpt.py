@@ -44,9 +44,10 @@ Two steps:
   merge     combines the result JSONs of several calls of one replay (the same workload,
             model, request count and rate; each call started its servers afresh) into
             one: every configuration's rounds from all of them, medians as within a call.
-            A GPU call holds 2-3 rounds of 4-6 configurations, and rounds of one
-            configuration differ by up to 2x on the queued workloads, so decisions need
-            the rounds of several calls.
+            A GPU call holds 1-3 rounds of 4-6 configurations, and on the queued
+            workloads one configuration's rounds differ by several times (a queue forms
+            when the GPU KV cache fills, or not), so decisions need the rounds of several
+            calls.
 
 Output of ``run --json OUT.json``: {"machine", "model", "rate", "n_requests", "results":
 [one row per config: config, mean/median/p90/p99 TTFT, mean ITL, throughput_rps,
@@ -1447,10 +1448,11 @@ def run_parallel(args, configs: list[str], slices: list[list[dict]], model_dir: 
                  per_cfg: dict[str, list[dict]], publish: Callable[[], None]) -> None:
     """All configurations' servers up at once (ports ``--port`` + i, the same fixed GPU
     KV cache of ``--kv-cache-memory-bytes`` each, so concurrent start-up cannot skew
-    vLLM's memory profiling), then rounds interleaved across them (A,B,C,A,B,C...): only
-    one server serves at a time, the others idle. Saves the server starts of the
-    sequential mode (30-110 s each on the H200) so more rounds fit in one call; round r
-    replays ``slices[r]`` (:func:`round_slices`). The serving order changes per round
+    vLLM's memory profiling), then rounds interleaved across them (every configuration
+    once per round): only one server serves at a time, the others idle. Saves the
+    server starts of the sequential mode (30-110 s each on the H200) so more rounds fit
+    in one call; round r replays ``slices[r]`` (:func:`round_slices`). The serving order
+    changes per round
     (:func:`round_order`, a balanced Latin square), and before each configuration's round
     the servers must be idle (:func:`quiesce`, up to ``--quiesce`` seconds): the twelfth
     session's calls ran the configurations in one fixed order with 1 s between them, so
@@ -1539,11 +1541,12 @@ def merge_results(parts: list[dict], names: list[str]) -> dict:
             for x in rounds:
                 x.pop("ttft_all", None)
                 x["config"] = r["config"]  # a renamed row's rounds carry the old name
-            # a call's TTFTs (for the CDF) ride on its first round; combine_rounds
-            # concatenates them
-            rounds[0]["ttft_all"] = list(r.get("ttft_all", []))
             if "error" in r and len(rounds) == 1:
                 rounds[0]["error"] = r["error"]
+            # a call's TTFTs (for the CDF) ride on its first round that did not fail;
+            # combine_rounds concatenates them
+            carrier = next((x for x in rounds if "error" not in x), rounds[0])
+            carrier["ttft_all"] = list(r.get("ttft_all", []))
             per.setdefault(r["config"], []).extend(rounds)
     out = {k: v for k, v in parts[0].items() if k != "results"}
     out["rounds"] = max(len(v) for v in per.values()) if per else 0
@@ -1555,7 +1558,6 @@ def merge_results(parts: list[dict], names: list[str]) -> dict:
         rs = per[c]
         good = [x for x in rs if "error" not in x]
         if good and len(good) < len(rs):  # a call whose server failed adds no round
-            # (its CDF TTFTs ride on a failed first round only when the call had none)
             rs = good
         if len(rs) == 1:  # combine_rounds returns a single round as it is
             row = dict(rs[0])
