@@ -346,8 +346,11 @@ class Reactor(LoadRouting):
         self._slot_len = [0] * self.pool.n_slots  # payload bytes held by a retained slot
         self.stats = ReactorStats(pool_bytes=self.pool.nbytes, slot_bytes=self.slot_bytes)
         #: Diagnostics (reactor thread writes, anyone may read): seconds spent issuing
-        #: device copies (loads / stores), and the number of loop iterations.
-        self.timing = {"to_device_s": 0.0, "from_device_s": 0.0, "iterations": 0}
+        #: device copies (loads / stores), the number of loop iterations (each one a wake-up
+        #: that takes the GIL back from vLLM's engine thread), and the seconds spent in
+        #: those iterations' work (``step_s``: Python under the GIL, engine waits excluded).
+        self.timing = {"to_device_s": 0.0, "from_device_s": 0.0, "iterations": 0,
+                       "step_s": 0.0}
         self.early_store_ack = early_store_ack
         #: Optional event trace (diagnostics): (time.monotonic(), event, request id, n),
         #: appended by the reactor thread, read after :meth:`close`. Bounded.
@@ -555,8 +558,9 @@ class Reactor(LoadRouting):
             timing = self.timing
             while self._running or self._inbox:
                 timing["iterations"] += 1
-                self.heartbeat = time.monotonic()
+                self.heartbeat = t0 = time.monotonic()
                 worked = self._step()
+                timing["step_s"] += time.monotonic() - t0
                 if not worked:
                     # Device copies in flight (CUDA events) wake nobody: poll them. LOAD
                     # copies are on a request's critical path: poll with a zero timeout

@@ -101,7 +101,8 @@ COUNTERS = ("stores", "stores_dram", "stores_dropped_backpressure", "stores_no_d
             "stores_skipped", "stores_written", "stores_existing", "stores_dropped_capacity",
             "stores_dropped_enospc", "ext_slot_waits", "hits_dram", "hits_disk", "misses",
             "bytes_written", "bytes_read", "load_failures", "disk_evicted_files",
-            "worker_waits", "worker_wait_us")
+            "worker_waits", "worker_wait_us", "worker_main_us", "reactor_iterations",
+            "reactor_step_us")
 USER_ROLES = {"human", "user"}
 ASSISTANT_ROLES = {"gpt", "chatgpt", "bard", "bing", "assistant"}
 

@@ -222,6 +222,13 @@ WORKER_COUNTERS: dict[str, str] = {
     "worker_waits": "Worker: times vLLM blocked in wait() for store jobs (a freed GPU "
     "block with a store in flight was reallocated: jobs_to_flush).",
     "worker_wait_us": "Worker: microseconds vLLM spent blocked in those waits.",
+    "worker_main_us": "Worker: microseconds vLLM's engine thread spent inside the "
+    "connector's worker hooks (submitting jobs, collecting finished ones, waits).",
+    "reactor_iterations": "Worker: I/O reactor loop iterations; each is a wake-up that "
+    "takes the GIL (diagnostics: divided by seconds, how often the reactor competes "
+    "with vLLM's engine thread).",
+    "reactor_step_us": "Worker: microseconds the I/O reactor spent in those iterations' "
+    "Python work (waits for I/O and device copies excluded).",
     "reactor_dead": "Worker: I/O reactor threads that died (the engine then runs "
     "recompute-only: every lookup misses, nothing is stored; see the 'healthy' gauge).",
 }

@@ -457,6 +457,14 @@ class PyKVCacheWorker(OffloadingWorker):
                     # store in flight was reused): how often and how long in total
                     worker_waits=self.timing["main_wait_calls"],
                     worker_wait_us=int(self.timing["main_wait_s"] * 1e6),
+                    # where a server with a connector but no hits may lose time: vLLM's
+                    # engine thread inside our hooks, the reactor's wake-ups and work
+                    worker_main_us=int(1e6 * (self.timing["main_submit_store_s"]
+                                              + self.timing["main_submit_load_s"]
+                                              + self.timing["main_get_finished_s"]
+                                              + self.timing["main_wait_s"])),
+                    reactor_iterations=self.reactor.timing["iterations"],
+                    reactor_step_us=int(self.reactor.timing["step_s"] * 1e6),
                     # a gauge sent as deltas (the scheduler sums them: total over ranks)
                     disk_bytes=self.layout.ledger.last)
         return snap

@@ -74,6 +74,12 @@ def test_worker_store_load_dram_and_disk(worker):
     assert {r.job_id for r in w.get_finished()} == {1, 2}
     _, delta = w.take_report()  # vLLM's blocking waits reach the scheduler's counters
     assert delta["worker_waits"] == 2 and delta["worker_wait_us"] >= 0
+    # where a connector costs a server without hits: vLLM's thread in our hooks, the
+    # reactor's wake-ups (each takes the GIL) and its work in them
+    assert delta["worker_main_us"] >= delta["worker_wait_us"]
+    assert delta["reactor_iterations"] >= 2 and delta["reactor_step_us"] > 0
+    _, again = w.take_report()
+    assert "worker_main_us" not in again  # deltas: no hook ran since
     # store jobs are acknowledged once copied (early_store_ack); the files follow
     assert w.reactor.wait(30)
     assert w.layout.exists(k1) and w.layout.exists(k2)
