@@ -131,6 +131,13 @@ KEY_HELP: dict[str, str] = {
     "to hand the GIL over every 0.5 ms while py-kvcache has nothing to do). An H200 run "
     "that lowered it for disk loads only made stores and DRAM hits slower. Default "
     "'process'.",
+    "store_copy_wait": "How the I/O reactor learns that a store's device->host copy is "
+    "done: 'poll' (default: it wakes every 1 ms while store copies are in flight and checks "
+    "their CUDA events, taking the GIL from vLLM's engine thread each time) or 'block' (a "
+    "helper thread waits on each copy's event with the GIL released and wakes the reactor "
+    "once per copy). 'block' is for the A/B of issue 9's no-hit decode cost (the counters "
+    "reactor_iterations / reactor_step_us show the wake-ups); it is not yet measured on a "
+    "GPU. No effect without CUDA.",
     "integrity_key_file": "Path of a file holding a secret (>= 16 bytes; not readable by "
     "every user) shared by the processes that trust each other. Every block then carries a "
     "keyed BLAKE3 over header and payload, and a block that does not verify (forged by "
@@ -167,6 +174,7 @@ class StorageConfig:
     io_timeout_s: float = 30.0
     switch_interval_s: float = 0.0005
     switch_interval_scope: str = "process"
+    store_copy_wait: str = "poll"
     integrity_key_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -196,6 +204,8 @@ class StorageConfig:
              "switch_interval_s", "must be a number of seconds in 0..0.1 (0 = leave it)")
         need(self.switch_interval_scope in ("process", "busy"), "switch_interval_scope",
              "must be 'process' or 'busy'")
+        need(self.store_copy_wait in ("poll", "block"), "store_copy_wait",
+             "must be 'poll' or 'block'")
         need(self.integrity_key_file is None or (
             isinstance(self.integrity_key_file, str) and self.integrity_key_file != ""),
             "integrity_key_file", "must be a file path (string) or null")

@@ -30,6 +30,10 @@ from .staging import StagingPool
 class Copier(ABC):
     #: True if :meth:`done` may return False (the reactor then polls with a short timeout).
     asynchronous = False
+    #: Set by the reactor before any copy when a waiter thread blocks on store copies
+    #: (``store_copy_wait="block"``): a copier whose handles can be waited on without
+    #: spinning (CUDA: events created with blocking sync) should make store handles so.
+    blocking_store_events = False
 
     def __init__(self, pool: StagingPool, offset: int) -> None:
         self.pool = pool
@@ -48,6 +52,13 @@ class Copier(ABC):
         Returns one handle for :meth:`store_done`. Default: one :meth:`from_device` per
         block (a copier with a batched device path overrides this)."""
         return [self.from_device(s, r, n) for s, r, n in zip(slots, srcs, nbytes, strict=True)]
+
+    def wait_store(self, handle: Any) -> None:
+        """Block until :meth:`store_done` is true for ``handle`` (the reactor's store-copy
+        waiter thread; must not hold the GIL while it waits for long). Default: check
+        every 0.5 ms with the GIL released in between."""
+        while not self.store_done(handle):
+            time.sleep(0.0005)
 
     def store_done(self, handle: Any) -> bool:
         """Whether every copy of a :meth:`from_device_batch` handle is done."""
@@ -89,6 +100,10 @@ class TimedCopier(Copier):
 
     def done(self, handle):
         return handle is None or time.perf_counter() >= handle
+
+    def wait_store(self, handle):
+        if handle is not None:
+            time.sleep(max(0.0, handle - time.perf_counter()))
 
 
 class MemcpyCopier(Copier):

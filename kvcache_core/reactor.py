@@ -48,6 +48,7 @@ import collections
 import errno as _errno
 import logging
 import os
+import queue
 import sys
 import threading
 import time
@@ -167,6 +168,11 @@ class Completion:
 TRACE_MAX = 1_000_000
 #: Longest kernel wait while only store copies are in flight (see ``_run``).
 STORE_POLL_S = 0.001
+#: The same with ``store_copy_wait="block"``: a waiter thread wakes the reactor when a
+#: store copy is done, so this is only a safety net (a lost wake-up costs at most this).
+STORE_SAFETY_POLL_S = 0.05
+#: values of ``store_copy_wait``
+STORE_COPY_WAITS = ("poll", "block")
 #: How often deadlines are checked while requests are outstanding (``io_timeout_s``).
 EXPIRE_POLL_S = 0.05
 #: task states with a file operation in flight (the ones a deadline applies to)
@@ -277,7 +283,10 @@ class Reactor(LoadRouting):
                  switch_interval_scope: str = "process",
                  trace: bool = False, early_store_ack: bool = False,
                  store_policy: str = "wait", write_depth: int | None = None,
-                 io_timeout_s: float = 0.0) -> None:
+                 io_timeout_s: float = 0.0, store_copy_wait: str = "poll") -> None:
+        if store_copy_wait not in STORE_COPY_WAITS:
+            raise ValueError(f"store_copy_wait must be one of {STORE_COPY_WAITS}, got "
+                             f"{store_copy_wait!r}")
         if store_policy not in ("wait", "drop"):
             raise ValueError(f"store_policy must be 'wait' or 'drop', got {store_policy!r}")
         self.store_drop = store_policy == "drop"
@@ -342,15 +351,25 @@ class Reactor(LoadRouting):
             self.engine = make_engine(engine, depth=io_depth, entries=entries,
                                       force_async=not self.direct)
         self.copier = (copier or NullCopier)(self.pool, HEADER_BYTES)
+        #: ``store_copy_wait="block"`` with an asynchronous copier: store-copy handles go to
+        #: a waiter thread that blocks on each one with the GIL released
+        #: (:meth:`Copier.wait_store`) and wakes the reactor when it is done, instead of
+        #: the reactor waking every STORE_POLL_S to poll them (each wake-up takes the GIL
+        #: from vLLM's engine thread). None: polling.
+        self._waitq: queue.SimpleQueue | None = None
+        if store_copy_wait == "block" and self.copier.asynchronous:
+            self._waitq = queue.SimpleQueue()
+            self.copier.blocking_store_events = True
         self._iov = [self.engine.make_iov(v) for v in self.pool.views]
         self._slot_len = [0] * self.pool.n_slots  # payload bytes held by a retained slot
         self.stats = ReactorStats(pool_bytes=self.pool.nbytes, slot_bytes=self.slot_bytes)
         #: Diagnostics (reactor thread writes, anyone may read): seconds spent issuing
         #: device copies (loads / stores), the number of loop iterations (each one a wake-up
         #: that takes the GIL back from vLLM's engine thread), and the seconds spent in
-        #: those iterations' work (``step_s``: Python under the GIL, engine waits excluded).
+        #: those iterations' work (``step_s``: Python under the GIL, engine waits excluded);
+        #: ``copy_waits``: store copies the waiter thread saw done (it alone writes it).
         self.timing = {"to_device_s": 0.0, "from_device_s": 0.0, "iterations": 0,
-                       "step_s": 0.0}
+                       "step_s": 0.0, "copy_waits": 0}
         self.early_store_ack = early_store_ack
         #: Optional event trace (diagnostics): (time.monotonic(), event, request id, n),
         #: appended by the reactor thread, read after :meth:`close`. Bounded.
@@ -425,6 +444,11 @@ class Reactor(LoadRouting):
         self._running = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self._waiter: threading.Thread | None = None
+        if self._waitq is not None:
+            self._waiter = threading.Thread(target=self._wait_store_copies,
+                                            name=name + "-copywait", daemon=True)
+            self._waiter.start()
 
     # ================================================================ client API
     def load(self, req_id: Hashable, items: Sequence[Item | tuple],
@@ -539,6 +563,10 @@ class Reactor(LoadRouting):
         self._running = False
         self.engine.wake()
         self._thread.join(timeout=30)
+        if self._waiter is not None:
+            assert self._waitq is not None
+            self._waitq.put(None)
+            self._waiter.join(timeout=30)
         if self._si_held and not self._thread.is_alive():  # requests never completed
             self._si_held = False
             _si_release()
@@ -570,7 +598,8 @@ class Reactor(LoadRouting):
                     # released, instead of spinning against vLLM's model-runner thread
                     # while a long prefill is being stored.
                     timeout = (0.0 if self._copies else
-                               STORE_POLL_S if self._store_copies else
+                               (STORE_POLL_S if self._waitq is None else STORE_SAFETY_POLL_S)
+                               if self._store_copies else
                                self._defer_left if self._wq else None)
                     if self.io_timeout_s and self._reqs and (timeout is None
                                                              or timeout > EXPIRE_POLL_S):
@@ -853,6 +882,26 @@ class Reactor(LoadRouting):
         for t in tasks:
             t.ref = None
         self._store_copies.append((handle, tasks))
+        if self._waitq is not None:
+            self._waitq.put(handle)
+
+    def _wait_store_copies(self) -> None:
+        """Waiter thread (``store_copy_wait="block"``): block on each store copy in issue
+        order with the GIL released, then wake the reactor, which finds it done in
+        :meth:`_poll_store_copies`. One GIL acquisition per store job instead of one per
+        STORE_POLL_S while copies are in flight. Never touches reactor state."""
+        q, copier, wake = self._waitq, self.copier, self.engine.wake
+        assert q is not None
+        while True:
+            handle = q.get()
+            if handle is None:
+                return
+            try:
+                copier.wait_store(handle)
+            except Exception as e:  # the reactor's own poll still sees it (done or not)
+                log.warning("py-kvcache: waiting for a store copy failed: %s", e)
+            self.timing["copy_waits"] += 1
+            wake()
 
     def _start_write(self, t: Task) -> None:
         """Write-back of a copied block: checksum, capacity, temp file, one ``io_depth``

@@ -8,6 +8,7 @@ withheld until a gate opens), so every assertion is about order, never about tim
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from helpers.kvutil import BLOCK, GatedWriteEngine, finish, payload, sentinel_buf, wait_until
@@ -219,3 +220,65 @@ def test_flush_writes_a_kept_dram_slot_later_and_refuses_a_wrong_one(make_layout
         assert finish(r)["L"].ok == [True] and bytes(dest) == payload(ks[0], BLOCK)
     finally:
         r.close()
+
+
+class SlowAsyncCopier(MemcpyCopier):
+    """Memcpy copier whose store copies 'finish' COPY_S after they were issued, like a
+    CUDA copy behind the step that produced its blocks (the reactor must wait for them)."""
+
+    asynchronous = True
+    COPY_S = 0.1
+
+    def from_device_batch(self, slots, srcs, nbytes):
+        super().from_device_batch(slots, srcs, nbytes)
+        return time.perf_counter() + self.COPY_S
+
+    def store_done(self, handle):
+        return handle is None or time.perf_counter() >= handle
+
+    def done(self, handle):
+        return self.store_done(handle)
+
+
+@pytest.mark.parametrize("eng", ["posix"])
+def test_store_copy_wait_block_wakes_the_reactor_once_per_copy(make_layout, eng):
+    """store_copy_wait='poll' wakes the reactor every STORE_POLL_S while a store copy is
+    in flight (each wake-up takes the GIL from vLLM's engine thread); 'block' waits in a
+    helper thread and wakes it once per copy. Same stores, same files, far fewer
+    reactor iterations; the helper thread stops with the reactor."""
+    iters = {}
+    for mode in ("poll", "block"):
+        lay = make_layout()
+        r = Reactor(lay, n_slots=6, io_depth=2, copier=SlowAsyncCopier, pin=False,
+                    engine=eng, early_store_ack=True, store_policy="drop",
+                    store_copy_wait=mode)
+        try:
+            ks = keys_of(mode, 8)
+            before = r.timing["iterations"]
+            for i, k in enumerate(ks):
+                r.store(f"S{i}", items([k]))
+                assert _acks(r, f"S{i}")[0] == "store_copied"
+            iters[mode] = r.timing["iterations"] - before
+            assert r.wait(30)
+            for k in ks:  # the copies' bytes reached the files
+                assert lay.read_block(k) == payload(k, BLOCK)
+            assert r.timing["copy_waits"] == (8 if mode == "block" else 0)
+            waiter = r._waiter
+            assert (waiter is not None) == (mode == "block")
+        finally:
+            r.close()
+        if waiter is not None:
+            assert not waiter.is_alive()
+    # poll: ~COPY_S / STORE_POLL_S (100) wake-ups per copy; block: a handful (~8)
+    assert iters["block"] * 3 < iters["poll"], iters
+
+
+def test_store_copy_wait_is_validated(make_layout):
+    with pytest.raises(ValueError, match="store_copy_wait"):
+        Reactor(make_layout(), n_slots=4, io_depth=2, copier=MemcpyCopier, pin=False,
+                engine="posix", store_copy_wait="spin")
+    from kvcache_core.config import ConfigError, StorageConfig
+
+    with pytest.raises(ConfigError, match="store_copy_wait"):
+        StorageConfig.from_dict({"root_dir": "/tmp/x", "store_copy_wait": "spin"})
+    assert StorageConfig.from_dict({"root_dir": "/tmp/x"}).store_copy_wait == "poll"

@@ -361,6 +361,13 @@ class KVCopier(Copier):
         if handle is not None:
             handle.event.synchronize()
 
+    def wait_store(self, handle: Any) -> None:
+        """The reactor's store-copy waiter thread: ``cudaEventSynchronize`` with the GIL
+        released (torch releases it); store events are made with blocking sync when the
+        reactor asked for it (``blocking_store_events``), so the thread sleeps rather than
+        spins."""
+        self.sync(handle)
+
     def from_device_batch(self, slots: list[int], srcs: list[Any], nbytes: list[int]) -> Any:
         """All chunks of one store job in ONE copy call (one descriptor build, one
         ``swap_blocks_batch``) on one store stream that waits on the job's producer
@@ -402,7 +409,8 @@ class KVCopier(Copier):
              slot: int, direct: bool = False) -> Any:
         if self._cx is not None:
             return self._cx.run(ops, to_device=to_device, after=after, slot=slot,
-                                direct=direct)
+                                direct=direct,
+                                blocking=self.blocking_store_events and not to_device)
         tix, kvo, plo, szs = (a.tolist() for a in ops)
         kv, pool = self._cpu
         if to_device:
@@ -451,7 +459,8 @@ class _CudaExec:
                         "per-block copies")
 
     def run(self, ops: tuple[np.ndarray, ...], *, to_device: bool, after: Any,
-            slot: int, direct: bool = False) -> _CudaHandle:  # pragma: no cover - needs CUDA
+            slot: int, direct: bool = False,
+            blocking: bool = False) -> _CudaHandle:  # pragma: no cover - needs CUDA
         tix, kvo, plo, szs = ops
         if not getattr(self._tls, "bound", False):
             # The reactor thread's first CUDA call may be vLLM's driver-API batch copy
@@ -484,6 +493,8 @@ class _CudaExec:
                         kv[t][k:k + n].copy_(pool[p:p + n], non_blocking=True)
                     else:
                         pool[p:p + n].copy_(kv[t][k:k + n], non_blocking=True)
-            ev = torch.cuda.Event()
+            # blocking: a thread that synchronizes on it sleeps instead of spinning (the
+            # reactor's store-copy waiter, store_copy_wait="block")
+            ev = torch.cuda.Event(blocking=blocking)
             ev.record(stream)
         return _CudaHandle(ev, keep)

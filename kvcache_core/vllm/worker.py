@@ -122,7 +122,8 @@ class PyKVCacheWorker(OffloadingWorker):
                 trace=bool(os.environ.get("KVCACHE_TRACE")), early_store_ack=True,
                 store_policy="drop", io_timeout_s=storage.io_timeout_s,
                 switch_interval=storage.switch_interval_s or None,
-                switch_interval_scope=storage.switch_interval_scope)
+                switch_interval_scope=storage.switch_interval_scope,
+                store_copy_wait=storage.store_copy_wait)
         except BaseException:
             self.layout.close()
             raise

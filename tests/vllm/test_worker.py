@@ -393,3 +393,20 @@ def test_cpu_copies_start_no_openmp_team_on_the_reactor_thread(tmp_path, vllm_av
         assert added == 0, f"the reactor's copies started {added} thread(s)"
     elif torch.get_num_threads() > 1:
         assert added >= 1, "torch copy_ of 64 KiB started no OpenMP team: check is blind"
+
+
+def test_store_copy_wait_reaches_the_reactor(tmp_path, vllm_available):
+    """The storage key reaches the worker's reactor; with synchronous (CPU) copies there
+    is nothing to wait for, so no waiter thread is started and stores work as before."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvcache_core.vllm.job_specs import PyKVStoreSpec
+
+    w = _make_worker(tmp_path, dram_files=2, store_copy_wait="block")
+    try:
+        assert w.reactor._waiter is None and w.reactor._waitq is None
+        w.submit_store(1, GPULoadStoreSpec([3, 5], [2], [0]), PyKVStoreSpec([key(1)], [0]))
+        _run(w, 1)
+        assert w.reactor.wait(30) and w.layout.exists(key(1))
+    finally:
+        w.shutdown()
