@@ -366,6 +366,8 @@ class KVCopier(Copier):
         released (torch releases it); store events are made with blocking sync when the
         reactor asked for it (``blocking_store_events``), so the thread sleeps rather than
         spins."""
+        if handle is not None and self._cx is not None:  # pragma: no cover - needs CUDA
+            self._cx.bind()
         self.sync(handle)
 
     def from_device_batch(self, slots: list[int], srcs: list[Any], nbytes: list[int]) -> Any:
@@ -458,17 +460,21 @@ class _CudaExec:
             log.warning("py-kvcache: vllm._custom_ops.swap_blocks_batch unavailable; using "
                         "per-block copies")
 
+    def bind(self) -> None:  # pragma: no cover - needs CUDA
+        """Make the KV device's primary context current on the calling thread, once per
+        thread. The reactor thread's first CUDA call may be vLLM's driver-API batch copy
+        (cuMemcpyBatchAsync), which needs it; the store-copy waiter thread binds too, so
+        that its event waits never touch another device's context."""
+        if not getattr(self._tls, "bound", False):
+            torch.cuda.set_device(self.dev)
+            torch.cuda.current_stream(self.dev).query()
+            self._tls.bound = True
+
     def run(self, ops: tuple[np.ndarray, ...], *, to_device: bool, after: Any,
             slot: int, direct: bool = False,
             blocking: bool = False) -> _CudaHandle:  # pragma: no cover - needs CUDA
         tix, kvo, plo, szs = ops
-        if not getattr(self._tls, "bound", False):
-            # The reactor thread's first CUDA call may be vLLM's driver-API batch copy
-            # (cuMemcpyBatchAsync), which needs the device's primary context current on
-            # THIS thread: bind it once with runtime calls (set_device + a stream query).
-            torch.cuda.set_device(self.dev)
-            torch.cuda.current_stream(self.dev).query()
-            self._tls.bound = True
+        self.bind()
         stream = (self.direct_stream if direct else self.load_stream if to_device
                   else self.store_streams[slot % len(self.store_streams)])
         keep: Any = None
