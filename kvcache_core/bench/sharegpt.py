@@ -685,9 +685,9 @@ def server_cmd(args, cfg: str, model_dir: str, name: str, port: int) -> list[str
     return cmd
 
 
-def _group_pids(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``."""
-    out = []
+def _live_procs() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the /proc/<pid>/stat fields after the command name: state, ppid, pgrp, ...)
+    of every live (non-zombie) process."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -696,9 +696,13 @@ def _group_pids(pgid: int) -> list[int]:
                 rest = f.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(rest[2]) == pgid and rest[0] != "Z":
-            out.append(int(pid))
-    return out
+        if rest[0] != "Z":
+            yield int(pid), rest
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    return [pid for pid, rest in _live_procs() if int(rest[2]) == pgid]
 
 
 def _shm_files(pids: list[int]) -> set[str]:
@@ -719,17 +723,9 @@ def _shm_files(pids: list[int]) -> set[str]:
 
 def _groups_cpu_s(pgids: Sequence[int]) -> float:
     """CPU seconds (user + system) used so far by the live processes of ``pgids``."""
-    want, ticks = set(pgids), 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(rest[2]) in want and rest[0] != "Z":
-            ticks += int(rest[11]) + int(rest[12])  # utime, stime (fields 14, 15)
+    want = set(pgids)
+    ticks = sum(int(rest[11]) + int(rest[12])  # utime, stime (fields 14, 15)
+                for _pid, rest in _live_procs() if int(rest[2]) in want)
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
