@@ -105,7 +105,7 @@ GLUE_KEY_HELP: dict[str, str] = {
     "step). Uses internals of vLLM's offloading scheduler, checked at start-up (a vLLM "
     "without them refuses an explicit true; the default then falls back to asynchronous loads "
     "with a warning). Default true: on the H200 it lowered DRAM-hit TTFT at 4k-16k "
-    "(0.68-0.77x) and the Bailian-coder replay's mean TTFT (0.20x under a queue).",
+    "(0.68-0.77x) and, in one Bailian-coder replay, mean TTFT under a queue (0.20x).",
     "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
     "that is too short (or on a disk too slow) to win when read on demand, if its expected "
     "queueing time (the table's recompute times of the requests ahead) covers the read "
