@@ -99,6 +99,16 @@ KEY_HELP: dict[str, str] = {
     "default because on the H200 reference disk (1.5-2.1 GB/s, where a 3B model "
     "recomputes 32k tokens faster than it reads them) it made the measured workloads "
     "slower (docs/results/h200/README.md). true or false.",
+    "disk_admission": "Which stored blocks get a file: 'all' (default: every stored block, "
+    "written in the background) or 'reuse' (a block's first store keeps it in the DRAM "
+    "tier only; its file is written once a request reads it from there, or when it is "
+    "stored again after leaving the tier; without a DRAM-tier slot a first store is not "
+    "stored). 'reuse' spares the disk (and its write endurance) the blocks that are never "
+    "read again, e.g. one-off chat prompts (ShareGPT on the H200: ~480 files of 28 MiB "
+    "written per 500 requests for 5-10 disk hits, and decode slower while they are "
+    "written, docs/results/h200/README.md); the price is one more recompute of a block "
+    "whose first reuse comes after the DRAM tier dropped it. Counters "
+    "stores_disk_deferred, stores_disk_not_admitted, flushes_reused.",
     "block_size": "Tokens per storage block (one file); a multiple of vLLM's GPU block size.",
     "max_disk_bytes": "Upper bound on cache bytes under root_dir for this model namespace, "
     "shared by all processes; least-recently-used files are evicted beyond it. 0 = unbounded.",
@@ -164,6 +174,7 @@ class StorageConfig:
     eviction_policy: str = "lru-admit"
     writeback_max_fraction: float = 0.5
     writeback_flush: bool = False
+    disk_admission: str = "all"
     block_size: int = 256
     max_disk_bytes: int = 0
     durable: bool = False
@@ -223,6 +234,8 @@ class StorageConfig:
              and not isinstance(self.writeback_max_fraction, bool)
              and 0 < self.writeback_max_fraction <= 1, "writeback_max_fraction",
              "must be a number in (0, 1]")
+        need(self.disk_admission in ("all", "reuse"), "disk_admission",
+             "must be 'all' or 'reuse'")
         need(self.direct_io in ("auto", "on", "off"), "direct_io", "must be auto, on or off")
         need(self.publish_method in ("link", "rename", "auto"), "publish_method",
              "must be link, rename or auto")

@@ -36,6 +36,15 @@ such blocks get their files later, oldest first, whenever the write-back has roo
 (:meth:`take_flush_plan`, sent to the workers with a step's metadata); one evicted first
 is lost to the cache (``dram_only_evicted``).
 
+Disk admission (``disk_admission="reuse"``): a block gets its file only once it has
+shown a reuse. Its first store fills a DRAM-tier slot without a file (``dram_only``,
+counted ``stores_disk_deferred``); a DRAM hit on it (a second request read it) queues
+its file for the write-back (``_hot``, written from the slot by :meth:`take_flush_plan`
+whatever ``writeback_flush`` says); a block stored again after it left the tier (its key
+is in the store doorkeeper: two generations of hashed keys, ``SEEN_GENERATION`` each)
+is written at once. Without a DRAM-tier slot a first store is not stored at all
+(``stores_disk_not_admitted``). ``"all"`` (default) writes every stored block.
+
 Replacement: a block read from disk into the tier (promotion) counts as a reuse (with
 ``eviction_policy=arc`` it enters the frequency list), a block that was only stored does
 not, so a burst of new, never-read stores evicts other stores first. A request's blocks
@@ -117,6 +126,13 @@ MANAGER_COUNTERS: dict[str, str] = {
     "dram_only_evicted": "Chunks evicted from the DRAM tier while no file of them existed "
     "(write-back was full until then): a later request recomputes them.",
     "stores_skipped": "Chunks not stored because they are already cached or in flight.",
+    "stores_disk_deferred": "disk_admission=reuse: first stores of a block kept in the "
+    "DRAM tier without a file; the file is written once a request reads the block from "
+    "the tier (flushes_reused) or stores it again after it left the tier.",
+    "stores_disk_not_admitted": "disk_admission=reuse: first stores of a block with no "
+    "DRAM-tier slot (tier off or busy): not stored; a second store of it writes the file.",
+    "flushes_reused": "disk_admission=reuse: DRAM-tier blocks without a file that a DRAM "
+    "hit proved reused, sent to the workers for their file (part of flushes_planned).",
     "stores_skipped_gate": "Chunks not stored because the break-even table says disk loads "
     "never pay off on this node and the DRAM tier had no slot (disk writes off).",
     "stores_dram_only_short": "Chunks kept in the DRAM tier only (no file) because their "
@@ -244,6 +260,10 @@ STAGED_MAX = 65536
 #: requests whose last touched key list the manager keeps (tail-first order on store)
 REQ_KEYS_MAX = 4096
 BAD_KEYS_MAX = 65536
+#: disk_admission="reuse": keys per doorkeeper generation (two are kept: a key stored in
+#: the last 65536-131072 distinct first stores counts as seen; ~4 MiB of hashes at most)
+SEEN_GENERATION = 1 << 16
+DISK_ADMISSIONS = ("all", "reuse")
 
 
 #: shortest gap between two writes of ``$KVCACHE_STATS_FILE`` (benchmarks, ``make run``)
@@ -309,7 +329,10 @@ class PyKVCacheManager(OffloadingManager):
     def __init__(self, root_dir: str, namespaces: Sequence[Namespace], n_dram: int,
                  eviction_policy: str = "lru", enable_events: bool = False,
                  writeback_max_fraction: float = 0.5, writeback_flush: bool = False,
-                 lookup_cache_s: float = 0.0) -> None:
+                 lookup_cache_s: float = 0.0, disk_admission: str = "all") -> None:
+        if disk_admission not in DISK_ADMISSIONS:
+            raise ValueError(f"disk_admission must be one of {DISK_ADMISSIONS}, got "
+                             f"{disk_admission!r}")
         self.disk = [LayoutIndex(root_dir, ns) for ns in namespaces]
         self.n_dram = n_dram
         self._policy = eviction_policy
@@ -367,6 +390,15 @@ class PyKVCacheManager(OffloadingManager):
         #: ``writeback_flush``: write such blocks later (take_flush_plan); off: they stay
         #: DRAM-only until evicted
         self._flush_on = writeback_flush
+        #: disk_admission="reuse": files only for blocks that showed a reuse (module doc)
+        self._reuse_only = disk_admission == "reuse"
+        #: ... keys CACHED (or storing) in the DRAM tier without a file, none shown reused
+        self._unproven: set[OffloadKey] = set()
+        #: ... such keys that a DRAM hit proved reused: files to write, oldest first
+        self._hot: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
+        #: ... store doorkeeper: hash(key) of first stores, current and previous generation
+        self._seen: set[int] = set()
+        self._seen_old: set[int] = set()
         #: positive disk-lookup cache (``disk_lookup_cache_s``): key -> until when its files
         #: are believed to exist, oldest first; None when off
         self._pos_ttl = lookup_cache_s
@@ -429,6 +461,11 @@ class PyKVCacheManager(OffloadingManager):
             if self._dirty and old in self._dirty:  # no file of it: lost to the cache
                 del self._dirty[old]
                 self.counters["dram_only_evicted"] += 1
+            if self._reuse_only:
+                self._unproven.discard(old)
+                if self._hot and old in self._hot:
+                    del self._hot[old]
+                    self.counters["dram_only_evicted"] += 1
             if evicted is not None:
                 evicted.append(old)
         return slot
@@ -446,6 +483,8 @@ class PyKVCacheManager(OffloadingManager):
         if slot >= 0 and self.dram.drop(key):
             self._slot_key[slot] = None
             self._dirty.pop(key, None)
+            self._hot.pop(key, None)
+            self._unproven.discard(key)
 
     # ------------------------------------------------------------------ preload (R8)
     def begin_lookup(self) -> None:
@@ -603,10 +642,14 @@ class PyKVCacheManager(OffloadingManager):
         keys = list(keys)
         recs: list[tuple[int, str]] = [(-1, "disk")] * len(keys)
         if self.dram is not None:
+            unproven = self._unproven
             for i, key in enumerate(keys):
                 slot = self.dram.pin(key)
                 if slot >= 0:
                     recs[i] = (slot, "pin")
+                    if unproven and key in unproven:  # read again: worth a file now
+                        unproven.discard(key)
+                        self._hot[key] = None
             for i in range(len(keys)):
                 if recs[i][1] == "disk":
                     slot = self._acquire(None)
@@ -746,6 +789,9 @@ class PyKVCacheManager(OffloadingManager):
                     or self._on_disk(key)):
                 self.counters["stores_skipped"] += 1
                 continue
+            deferred = False
+            if disk and self._reuse_only and not self._seen_before(key):
+                deferred = True  # first store: no file until the block shows a reuse
             slot = -1
             if self.dram is not None:
                 adm = self._admission
@@ -754,12 +800,22 @@ class PyKVCacheManager(OffloadingManager):
                 if victim is not None and not adm.admit(key, victim):
                     # the tier keeps its block: more requests asked for it (loop workload)
                     self.counters["stores_not_admitted"] += 1
-                    if not disk:
+                    if not disk or deferred:
+                        if deferred:
+                            self.counters["stores_disk_not_admitted"] += 1
                         continue
                 else:
                     slot = self._acquire(evicted)
+            if deferred and slot < 0:  # no DRAM slot to keep it in until it proves reused
+                self.counters["stores_disk_not_admitted"] += 1
+                continue
             behind = False
-            if slot >= 0 and disk:
+            if deferred:
+                behind = True  # DRAM only (dram_only); _unproven until a DRAM hit
+                self._dram_only.add(key)
+                self._unproven.add(key)
+                self.counters["stores_disk_deferred"] += 1
+            elif slot >= 0 and disk:
                 if len(self._wb_storing) + len(self._wb_pinned) >= self._wb_cap:
                     behind = True  # the disk is behind: this block stays in DRAM only
                     self._dram_only.add(key)
@@ -830,6 +886,7 @@ class PyKVCacheManager(OffloadingManager):
                             self._wb_done[key] = written
                 else:
                     self.dram.release(slot)
+                    self._unproven.discard(key)
         if stored and success and self.dram is not None:
             # blocks retained just now are the most recent: restore the tail-first order
             # of the request's blocks (its head most recent)
@@ -859,6 +916,8 @@ class PyKVCacheManager(OffloadingManager):
         self._dram_only.clear()
         self._behind.clear()
         self._dirty.clear()
+        self._hot.clear()
+        self._unproven.clear()
         self._wb_done.clear()
         self._wb_pinned.clear()
         self._wb_storing.clear()
@@ -931,23 +990,40 @@ class PyKVCacheManager(OffloadingManager):
         any write-back until every worker reports the key written (:meth:`_on_written`);
         the workers write the files from the slots (``PyKVCacheWorker.submit_flush``)."""
         dram = self.dram
-        if not self._dirty or dram is None or not self._flush_on:
+        hot, dirty = self._hot, self._dirty if self._flush_on else None
+        if dram is None or not (hot or dirty):
             return []
         if not (self.disk_stores and self.healthy):
             return []
         plan: list[tuple[bytes, int]] = []
         room = self._wb_cap - len(self._wb_storing) - len(self._wb_pinned)
-        while self._dirty and room > 0:
-            key, _ = self._dirty.popitem(last=False)
-            slot = dram.lookup(key)
-            if slot < 0 or self._on_disk(key):
-                continue  # gone, or written meanwhile (another instance)
-            dram.pin(key, touch=False)
-            self._wb_pinned[key] = slot
-            plan.append((bytes(key), slot))
-            room -= 1
+        n_hot = 0
+        for queue in (hot, dirty):  # blocks shown reused first (disk_admission=reuse)
+            while queue and room > 0:
+                key, _ = queue.popitem(last=False)
+                slot = dram.lookup(key)
+                if slot < 0 or self._on_disk(key):
+                    continue  # gone, or written meanwhile (another instance)
+                dram.pin(key, touch=False)
+                self._wb_pinned[key] = slot
+                plan.append((bytes(key), slot))
+                room -= 1
+                n_hot += queue is hot
         self.counters["flushes_planned"] += len(plan)
+        self.counters["flushes_reused"] += n_hot
         return plan
+
+    def _seen_before(self, key: OffloadKey) -> bool:
+        """disk_admission="reuse": whether ``key`` was stored before (within the
+        doorkeeper's two generations); records it. Scheduler thread; O(1)."""
+        h = hash(key)
+        if h in self._seen or h in self._seen_old:
+            return True
+        if len(self._seen) >= SEEN_GENERATION:
+            self._seen_old, self._seen = self._seen, self._seen_old
+            self._seen.clear()
+        self._seen.add(h)
+        return False
 
     def _on_written(self, written: Mapping[bytes, int]) -> None:
         """Count the ranks that finished writing each key; unpin its DRAM slot once all

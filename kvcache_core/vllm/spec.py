@@ -162,6 +162,7 @@ class PyKVCacheSpec(OffloadingSpec):
                 eviction_policy=self.storage.eviction_policy,
                 writeback_max_fraction=self.storage.writeback_max_fraction,
                 writeback_flush=self.storage.writeback_flush,
+                disk_admission=self.storage.disk_admission,
                 lookup_cache_s=self.lookup_cache_s,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager

@@ -443,6 +443,29 @@ def test_short_prompts_stay_in_dram_without_files(reference, model_dir, workdir)
     assert len(files_a) == 3 and s2["dram_writeback_pinned"] == 0
 
 
+def _steps_until_files(llm, root: str, n: int) -> None:
+    """Other traffic (prompts shorter than a chunk: they store nothing) until ``root``
+    holds ``n`` cache files or 30 requests passed: the engine steps that carry the
+    scheduler's flush plans to the workers."""
+    for i in range(30):
+        if len(H.cache_files(root)) == n:
+            return
+        H.generate(llm, [7 + i] * 16)
+        H.drain(llm)
+
+
+def _fresh_engine_serves_a_from_disk(model_dir: str, root: str, reference) -> None:
+    """A fresh engine without a DRAM tier over ``root`` serves all of A's chunks from its
+    files, with the reference output."""
+    llm = H.make_llm(model_dir, H.extra_config(root))
+    try:
+        again = H.generate(llm, A)
+    finally:
+        H.shutdown(llm)
+    assert again["num_cached_tokens"] == 3 * H.CHUNK
+    assert H.same_output(again, reference["A"])
+
+
 def test_blocks_kept_in_dram_under_writeback_pressure_get_their_files_later(
         reference, model_dir, workdir):
     """writeback_max_fraction=0.125 of 8 DRAM-tier slots: one file write may be pending,
@@ -458,11 +481,7 @@ def test_blocks_kept_in_dram_under_writeback_pressure_get_their_files_later(
     try:
         first = H.generate(llm, A)
         H.drain(llm)
-        for i in range(30):  # other traffic: steps that carry the flush plans
-            if len(H.cache_files(root)) == 3:
-                break
-            H.generate(llm, [7 + i] * 16)  # shorter than a chunk: stores nothing
-            H.drain(llm)
+        _steps_until_files(llm, root, 3)
         s = H.manager(llm).stats()
     finally:
         H.shutdown(llm)
@@ -471,13 +490,39 @@ def test_blocks_kept_in_dram_under_writeback_pressure_get_their_files_later(
     assert s["stores_flushed"] == s["flushes_planned"], s
     assert s.get("dram_only_evicted", 0) == 0 and s["dram_writeback_pinned"] == 0, s
     assert len(H.cache_files(root)) == 3
-    llm = H.make_llm(model_dir, H.extra_config(root))
+    _fresh_engine_serves_a_from_disk(model_dir, root, reference)
+
+
+def test_disk_admission_reuse_writes_a_file_once_a_block_is_read_again(
+        reference, model_dir, workdir):
+    """disk_admission=reuse: A's first run keeps its three chunks in the DRAM tier with no
+    file; its repeat is a DRAM hit (same output) that proves them reused, and later engine
+    steps write their files from the tier. A fresh engine without a DRAM tier then serves
+    A from those files with the reference output. C, run once, never gets a file."""
+    root = os.path.join(workdir, "root_reuse")
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES,
+                                               disk_admission="reuse"))
     try:
-        again = H.generate(llm, A)
+        a1 = H.generate(llm, A)
+        c1 = H.generate(llm, C)
+        H.drain(llm)
+        s1 = H.manager(llm).stats()
+        files1 = H.cache_files(root)
+        a2 = H.generate(llm, A)
+        H.drain(llm)
+        _steps_until_files(llm, root, 3)
+        s2 = H.manager(llm).stats()
     finally:
         H.shutdown(llm)
-    assert again["num_cached_tokens"] == 3 * H.CHUNK
-    assert H.same_output(again, reference["A"])
+    assert H.same_output(a1, reference["A"]) and H.same_output(a2, reference["A"])
+    assert H.same_output(c1, reference["C"])
+    assert files1 == set() and s1.get("stores_written", 0) == 0, s1
+    assert s1["stores_disk_deferred"] == 6, s1  # A's three chunks and C's three
+    assert a2["num_cached_tokens"] == 3 * H.CHUNK  # served by the DRAM tier
+    assert s2["flushes_reused"] == 3 and s2["stores_flushed"] == 3, s2
+    assert s2["stores_written"] == 3 and s2["dram_writeback_pinned"] == 0, s2
+    assert len(H.cache_files(root)) == 3  # A's; C was never read again
+    _fresh_engine_serves_a_from_disk(model_dir, root, reference)
 
 
 def test_config_errors_name_the_key(model_dir, workdir):
@@ -490,6 +535,7 @@ def test_config_errors_name_the_key(model_dir, workdir):
         H.extra_config(root, preload_lookahead=-1),
         H.extra_config(root, breakeven_table=5),
         H.extra_config(root, disk_min_prefix_tokens="4k"),
+        H.extra_config(root, disk_admission="often"),
     ]})
     errs = r["errors"]
     assert all(e is not None for e in errs), errs
@@ -497,7 +543,7 @@ def test_config_errors_name_the_key(model_dir, workdir):
     # vLLM validates KVTransferConfig, where pydantic wraps it: the message names the key
     named = ["unknown config key 'io_depht'", "'eviction_policy'", "'block_size'",
              "'staging_bytes'", "'preload_lookahead'", "'breakeven_table'",
-             "'disk_min_prefix_tokens'"]
+             "'disk_min_prefix_tokens'", "'disk_admission'"]
     for e, key in zip(errs, named, strict=True):
         assert ("ConfigError" in e or "py-kvcache config key" in e
                 or "py-kvcache: unknown config key" in e), e

@@ -546,3 +546,95 @@ def test_manager_holds_synchronous_loads_until_the_workers_copied_them(tmp_path,
     out = m.prepare_store([key(4)], r1)  # k2's slot is free again
     assert out.keys_to_store == [key(4)] and out.store_spec.dram_slots[0] >= 0
     m.dram.check()
+
+
+def test_manager_disk_admission_reuse_writes_files_only_for_reused_blocks(tmp_path,
+                                                                          vllm_available):
+    """disk_admission="reuse": a block's first store fills a DRAM-tier slot without a
+    file (dram_only, nothing pinned); a DRAM hit on it queues its file, which
+    take_flush_plan hands to the workers even with writeback_flush off (pinned until
+    written); one evicted unread is gone without a file; stored again after that (the
+    doorkeeper saw it), it is written at once. Without a DRAM tier a first store is not
+    stored at all, the second is. "all" (default) writes every first store; an unknown
+    value is refused."""
+    import pytest
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    with pytest.raises(ValueError, match="disk_admission"):
+        PyKVCacheManager(str(tmp_path / "x"), [ns], n_dram=2, disk_admission="some")
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=2, writeback_max_fraction=1.0,
+                         disk_admission="reuse")
+    w, r = ReqContext("w"), ReqContext("r")
+    a, b, c = key(1), key(2), key(3)
+    spec = m.prepare_store([a, b], w).store_spec
+    assert spec.dram_slots == [0, 1] and spec.dram_only == [True, True]
+    assert not spec.writes_file(0) and not spec.writes_file(1)
+    m.complete_store([a, b], w)
+    st = m.stats()
+    assert st["stores_disk_deferred"] == 2 and st["dram_writeback_pinned"] == 0
+    assert m.take_flush_plan() == []  # nothing shown reused yet
+    # a second request reads a from the tier: now it gets its file
+    assert m.lookup(a, r) == LookupResult.HIT
+    load = m.prepare_load([a], r)
+    assert load.dram_slots == [m.dram.lookup(a)]
+    m.complete_load([a], r)
+    plan = m.take_flush_plan()
+    assert plan == [(bytes(a), m.dram.lookup(a))]
+    assert m.stats()["flushes_reused"] == 1 and m.stats()["dram_writeback_pinned"] == 1
+    assert m.take_flush_plan() == []  # planned once
+    # c evicts b (unread, unpinned: a is pinned by its write-back): b leaves without a file
+    out = m.prepare_store([c], w)
+    assert out.evicted_keys == [b] and out.store_spec.dram_only == [True]
+    m.complete_store([c], w)
+    m.on_worker_report(set(), {}, None, {a: 1})
+    assert m.stats()["dram_writeback_pinned"] == 0
+    # b stored again (a request missed it and recomputed it): seen before, written now
+    out = m.prepare_store([b], w)
+    assert out.keys_to_store == [b] and out.store_spec.dram_only is None
+    assert out.store_spec.writes_file(0)
+    m.complete_store([b], w)
+    m.dram.check()
+    # an unread block reset away is forgotten with the tier
+    m.reset_cache()
+    assert m.take_flush_plan() == [] and not m._unproven and not m._hot
+
+    # no DRAM tier: the first store of a block is not stored, the second is
+    d = PyKVCacheManager(str(tmp_path / "d"), [ns], n_dram=0, disk_admission="reuse")
+    assert d.prepare_store([a], w).keys_to_store == []
+    assert d.stats()["stores_disk_not_admitted"] == 1
+    out = d.prepare_store([a], w)
+    assert out.keys_to_store == [a] and out.store_spec.writes_file(0)
+    d.complete_store([a], w)
+    # the break-even gate's disk-off decision stays as it was (nothing written, no count)
+    d.disk_stores = False
+    assert d.prepare_store([c], w).keys_to_store == []
+    assert d.stats()["stores_disk_not_admitted"] == 1
+
+    # "all" (default): every first store writes its file
+    al = PyKVCacheManager(str(tmp_path / "all"), [ns], n_dram=2, writeback_max_fraction=1.0)
+    spec = al.prepare_store([a], w).store_spec
+    assert spec.dram_only is None and spec.writes_file(0)
+
+
+def test_manager_disk_admission_doorkeeper_is_bounded(tmp_path, vllm_available,
+                                                      monkeypatch):
+    """The store doorkeeper keeps two generations of SEEN_GENERATION hashed keys: a key
+    first stored more than two generations ago counts as new again; memory stays bounded."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm import manager as M
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    monkeypatch.setattr(M, "SEEN_GENERATION", 4)
+    d = PyKVCacheManager(str(tmp_path), [Namespace("m", "bf16", 256, 1 << 16)], n_dram=0,
+                         disk_admission="reuse")
+    w = ReqContext("w")
+    first = [key(i) for i in range(100, 112)]  # three generations of first stores
+    for k in first:
+        assert d.prepare_store([k], w).keys_to_store == []
+    assert len(d._seen) + len(d._seen_old) <= 8
+    assert d.prepare_store([first[-1]], w).keys_to_store == [first[-1]]  # recent: seen
+    assert d.prepare_store([first[0]], w).keys_to_store == []  # forgotten: new again
