@@ -107,7 +107,10 @@ KEY_HELP: dict[str, str] = {
     "read again, e.g. one-off chat prompts (ShareGPT on the H200: ~480 files of 28 MiB "
     "written per 500 requests for 5-10 disk hits, and decode slower while they are "
     "written, docs/results/h200/README.md); the price is one more recompute of a block "
-    "whose first reuse comes after the DRAM tier dropped it. Counters "
+    "whose first reuse comes after the DRAM tier dropped it (by simulation 14-30 points "
+    "more prompt recompute on long-context replays, where disk_min_prefix_tokens=2048 "
+    "saves as many ShareGPT files at no such cost: docs/results/cpu/disk-admission-sim.md; "
+    "use 'reuse' for one-off long documents). Counters "
     "stores_disk_deferred, stores_disk_not_admitted, flushes_reused.",
     "block_size": "Tokens per storage block (one file); a multiple of vLLM's GPU block size.",
     "max_disk_bytes": "Upper bound on cache bytes under root_dir for this model namespace, "
