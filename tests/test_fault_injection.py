@@ -120,25 +120,41 @@ def test_injected_store_errors_drop_the_block_and_publish_nothing(make_layout, e
     assert r.dead is None
 
 
+@pytest.mark.parametrize("op", ["rename", "unlink"])
 @pytest.mark.parametrize("err", ERRS, ids=errno.errorcode.get)
-def test_injected_unlink_errors_in_eviction_are_counted(make_layout, monkeypatch, err):
-    """Eviction that cannot unlink a file (EIO, or EACCES in a root shared by several
-    users) skips it, counts it and keeps going; the bound still holds."""
+def test_injected_unlink_errors_in_eviction_are_counted(make_layout, monkeypatch, err, op):
+    """Eviction that cannot remove a file (EIO, or EACCES in a root shared by several
+    users) skips it, counts it and keeps going; the bound still holds. Eviction renames
+    the file away under the ledger lock and the evictor thread unlinks it later: an
+    error in either step is counted (``unlink_errors``)."""
     import kvcache_core.layout as L
 
     lay = make_layout(max_disk_bytes=4 * lay_file_bytes(make_layout))
-    real = os.unlink
+    real = getattr(os, op)
     state = {"left": 1}
 
     def flaky(path, *a, **kw):
-        if state["left"] and "/.tmp." not in path and not path.endswith(".usage"):
+        # rename: the eviction of a published file; unlink: the removal of one that
+        # eviction renamed to a temp name (publish's own temp unlinks are left alone)
+        hit = ("/.tmp." not in path if op == "rename"
+               else "/.tmp." in path and path in lay._evicted_names)
+        if state["left"] and hit and not path.endswith(".usage"):
             state["left"] -= 1
             raise OSError(err, os.strerror(err), path)
         return real(path, *a, **kw)
 
-    monkeypatch.setattr(L.os, "unlink", flaky)
+    lay._evicted_names = set()
+    real_rename = os.rename
+
+    def note(src, dst, *a, **kw):
+        lay._evicted_names.add(dst)
+        return real_rename(src, dst, *a, **kw)
+
+    monkeypatch.setattr(L.os, "rename", note)
+    monkeypatch.setattr(L.os, op, flaky)
     for i in range(12):
         lay.write_block(f"e{i}".encode(), payload(b"e", BLOCK))
+    lay._drain_evicted()  # what the evictor thread does (it may have done it already)
     assert lay.stats.unlink_errors >= 1 and lay.stats.evicted_files > 0
     assert lay.ledger.get() <= lay.max_disk_bytes
 

@@ -241,3 +241,78 @@ def test_64_processes_share_one_bound_and_evict_globally_lru(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_eviction_on_the_hot_path_renames_and_the_evictor_unlinks(tmp_path, monkeypatch):
+    """Eviction frees a file's name under the ledger lock with a rename (metadata only)
+    and leaves the unlink (the slow part: ~8 ms per 28 MiB file on ext4) to the evictor
+    thread, outside the lock: the storing thread unlinks nothing, the ledger always
+    equals the published bytes, every evicted file is gone once the evictor ran, and a
+    writer killed with evicted files not yet unlinked leaves them as its temp files,
+    which the next Layout collects."""
+    root = str(tmp_path / "root")
+    bound = 16 * FB
+    me = threading.get_ident()
+    unlinked_here: set[str] = set()  # by the storing thread (publish removes its temps)
+    renamed_away: set[str] = set()  # eviction's renames
+    real_unlink, real_rename = os.unlink, os.rename
+
+    def spy_unlink(path, *a, **kw):
+        if threading.get_ident() == me:
+            unlinked_here.add(str(path))
+        return real_unlink(path, *a, **kw)
+
+    def spy_rename(src, dst, *a, **kw):
+        renamed_away.add(str(dst))
+        return real_rename(src, dst, *a, **kw)
+
+    lay = Layout(root, NS, max_disk_bytes=bound, rescan_interval_s=0.05)
+    base = os.path.join(root, NS.dirname())
+    try:
+        for i in range(16):
+            k = f"pre{i}".encode()
+            assert lay.write_block(k, content(k, BB))
+        monkeypatch.setattr(os, "unlink", spy_unlink)
+        monkeypatch.setattr(os, "rename", spy_rename)
+        for i in range(48):  # every store evicts (the bound is full)
+            k = f"hot{i}".encode()
+            lay.write_block(k, content(k, BB))
+            with lay.ledger.locked():  # the evictor thread renames and counts under it
+                assert read_ledger(base) == published_bytes(base) <= bound
+        evicted = lay.stats.evicted_files
+        assert evicted >= 32 and len(renamed_away) == evicted, (lay.stats, renamed_away)
+        assert not unlinked_here & renamed_away  # no evicted file unlinked on this thread
+        deadline = time.monotonic() + 10
+        while list_files(base)[1] and time.monotonic() < deadline:
+            time.sleep(0.02)  # the evictor unlinks the renamed files
+        assert list_files(base)[1] == [], list_files(base)[1]
+        assert all(lay.exists(f"hot{i}".encode()) for i in range(40, 48))
+    finally:
+        lay.close()
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        monkeypatch.setattr(os, "rename", real_rename)
+
+    # a writer that dies before its evictor unlinked: its renamed files are its temps
+    code = (
+        "import os, sys\n"
+        "from helpers.lru_worker import make_ns, content\n"
+        "from kvcache_core import layout as L\n"
+        f"ns = make_ns({BB})\n"
+        f"lay = L.Layout({root!r}, ns, max_disk_bytes={bound}, rescan_interval_s=3600)\n"
+        "lay._drain_evicted = lambda: None  # the evictor never gets to unlink\n"
+        "for i in range(24):\n"
+        "    k = f'late{i}'.encode(); lay.write_block(k, content(k, ns.block_bytes))\n"
+        "print(len(lay._evicted), flush=True)\n"
+        "os._exit(0)\n")
+    env = dict(ENV, PYTHONPATH=os.pathsep.join([REPO, HERE]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) >= 8
+    assert len(list_files(base)[1]) == int(out.stdout.strip())
+    lay = Layout(root, NS, max_disk_bytes=bound)  # collects dead writers' temps
+    try:
+        assert list_files(base)[1] == []
+        assert read_ledger(base) == published_bytes(base) <= bound
+    finally:
+        lay.close()
