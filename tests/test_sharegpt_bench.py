@@ -810,7 +810,9 @@ def test_merge_renames_per_file_and_keeps_the_asked_configurations(tmp_path):
     """An older call's kvcache_sync is the later call's kvcache (the default changed):
     renamed in that file only, the old kvcache moved aside, then filtered."""
     a = _result([("kvcache", [0.9]), ("kvcache_sync", [0.2]), ("lmcache", [0.5])])
-    b = _result([("kvcache", [0.4]), ("lmcache", [0.6])])
+    a["variants"] = {"kvcache_sync": {"base": "kvcache", "kv_extra": {"dram_load_sync": True}}}
+    b = _result([("kvcache", [0.4]), ("lmcache", [0.6]), ("kvcache_si0", [0.3])])
+    b["variants"] = {"kvcache_si0": {"base": "kvcache", "kv_extra": {"switch_interval_s": 0}}}
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))
@@ -825,6 +827,13 @@ def test_merge_renames_per_file_and_keeps_the_asked_configurations(tmp_path):
     assert rows["kvcache"]["mean_ttft_s"] == pytest.approx(
         (_row("k", 0.2)["mean_ttft_s"] + _row("k", 0.4)["mean_ttft_s"]) / 2)
     assert m["merged_from"][0] == "a.json:kvcache=kvcache_async,kvcache_sync=kvcache"
+    # the renamed variant's description is gone (its rows are kvcache now), and so is
+    # that of a variant left out by --configs
+    assert "variants" not in m and "dram_load_sync" not in open(out[:-5] + ".md").read()
+    S.main(["merge", f"{pa}:kvcache_sync=kvcache_s", str(pb), "--json", out])
+    m = json.load(open(out))
+    assert set(m["variants"]) == {"kvcache_si0"}  # kvcache_s was renamed: no description
+    assert "`kvcache_si0` = `kvcache` with" in open(out[:-5] + ".md").read()
     with pytest.raises(SystemExit) as e:
         S.main(["merge", f"{pa}:kvcache=", str(pb), "--json", out])
     assert "expected PATH[:OLD=NEW" in str(e.value)

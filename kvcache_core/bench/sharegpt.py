@@ -1545,7 +1545,14 @@ def merge_results(parts: list[dict], names: list[str]) -> dict:
             carrier = next((x for x in rounds if "error" not in x), rounds[0])
             carrier["ttft_all"] = list(r.get("ttft_all", []))
             per.setdefault(r["config"], []).extend(rounds)
-    out = {k: v for k, v in parts[0].items() if k != "results"}
+    out = {k: v for k, v in parts[0].items() if k not in ("results", "variants")}
+    variants: dict[str, Any] = {}
+    for p in parts:  # the variants of the rows kept, from any file (the first one wins)
+        for n, v in (p.get("variants") or {}).items():
+            if n in per:
+                variants.setdefault(n, v)
+    if variants:
+        out["variants"] = variants
     out["rounds"] = max(len(v) for v in per.values()) if per else 0
     out["merged_from"] = names
     order = [r["config"] for p in parts for r in p.get("results", [])]
@@ -1598,6 +1605,10 @@ def cmd_merge(args) -> int:
                              "of configuration rows)")
         for r in part["results"]:
             r["config"] = ren.get(r["config"], r["config"])
+        # a renamed variant is, by the rename, the configuration it now names: its old
+        # description no longer applies
+        part["variants"] = {n: v for n, v in (part.get("variants") or {}).items()
+                            if n not in ren}
         if args.configs:
             part["results"] = [r for r in part["results"] if r["config"] in args.configs]
         parts.append(part)
