@@ -1460,7 +1460,8 @@ class Layout(LayoutIndex):
 
     def _evict_locked(self, target: int, limit: int) -> int:
         """Under the ledger lock: pop at most ``limit`` candidates, least recent first,
-        unlinking each whose mtime did not change since it was queued (a touched one is
+        evicting (renaming away, for :meth:`_drain_evicted` to unlink) each whose mtime
+        did not change since it was queued (a touched one is
         pushed back with its new mtime), until the ledger is at most ``target``. Returns
         the ledger. Requests a rescan when the heap runs out of globally ordered
         candidates."""

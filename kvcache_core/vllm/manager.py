@@ -875,6 +875,8 @@ class PyKVCacheManager(OffloadingManager):
                 assert self.dram is not None
                 if success:
                     self._retain(slot, key)
+                    if self._unproven and self.dram.lookup(key) != slot:
+                        self._unproven.discard(key)  # not kept in the tier after all
                     if behind and self.dram.lookup(key) == slot:
                         self._dirty[key] = None  # a file still to write, when there is room
                     # still being written to disk from this slot: keep it pinned
