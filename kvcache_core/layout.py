@@ -1138,8 +1138,8 @@ class Layout(LayoutIndex):
             self.stats.dropped_over_capacity += 1
             return False
         used = self.ledger.get()
-        if used > HIGH_WATER * m and self._evictor is not None and not self._wake.is_set():
-            self._wake.set()  # the evictor makes room in the background, ahead of us
+        if used > HIGH_WATER * m:
+            self._kick_evictor()  # it makes room in the background, ahead of us
         if used + nbytes <= m:
             return True
         target = max(0, int(m * LOW_WATER) - nbytes)
@@ -1439,6 +1439,12 @@ class Layout(LayoutIndex):
             if used <= target or not self._lru or self._evictor_stop:
                 return
 
+    def _kick_evictor(self) -> None:
+        """Wake the evictor thread for a pass now (any thread; an Event already set is
+        left alone). No-op without an evictor (no bound, or closed)."""
+        if self._evictor is not None and not self._wake.is_set():
+            self._wake.set()
+
     def _drain_evicted(self) -> None:
         """Unlink the files eviction renamed away (evictor thread, tools, :meth:`close`;
         never the reactor's hot path). A name already gone (collected as a dead writer's
@@ -1513,8 +1519,8 @@ class Layout(LayoutIndex):
             self.stats.evicted_bytes += st.st_size
             if threading.current_thread() is self._evictor:
                 self.stats.evicted_background += 1
-        if self._evicted and self._evictor is not None and not self._wake.is_set():
-            self._wake.set()  # the evictor unlinks them
+        if self._evicted:
+            self._kick_evictor()  # it unlinks them
         if (examined or gone) and not self._scan_wanted and self._evictor is not None:
             with lock:
                 lru = self._lru

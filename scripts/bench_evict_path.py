@@ -50,46 +50,39 @@ def store(prefix, n):
     (c,) = r.poll()
     assert c.success, r.snapshot()
 store("fill", bound_files)  # the bound is full: from here every store evicts
-def busy(stop, out):
+def busy(stop, sink):
+    out = []
     while not stop.is_set():
         t = time.perf_counter(); x = 0
         for i in range(20000): x += i
         out.append(time.perf_counter() - t)
-SEP = os.environ.get("BUSY_PROCESS") == "1"  # --busy-process: the busy loop elsewhere
-if SEP:
-    import multiprocessing as mp
-    class _Ev:
-        def __init__(self): self.e = mp.Event()
-        def is_set(self): return self.e.is_set()
-        def set(self): self.e.set()
-    def _proc(stop, q):
-        out = []
-        busy(stop, out)
-        q.put(out)
-    class _Th:
-        def __init__(self, target, args):
-            self.stop, self.out = args
-            self.q = mp.Queue()
-            self.p = mp.Process(target=_proc, args=(self.stop, self.q))
-        def start(self): self.p.start()
-        def join(self):
-            self.out.extend(self.q.get()); self.p.join()
-    Event, Thread = _Ev, _Th
-else:
-    Event, Thread = threading.Event, threading.Thread
-def paced(seconds):
-    stop, out = Event(), []
-    th = Thread(target=busy, args=(stop, out)); th.start()
-    time.sleep(seconds); stop.set(); th.join()
-    return statistics.median(out)
-idle = paced(0.5)
-stop, out = Event(), []
-th = Thread(target=busy, args=(stop, out)); th.start()
-it0, st0, ev0 = r.timing["iterations"], r.timing["step_s"], lay.stats.evicted_files
+    sink(out)
+def start_busy():
+    """The busy loop in a thread, or (--busy-process) in a forked child that shares no
+    GIL with the reactor; returns a function that stops it and gives its slice times."""
+    if os.environ.get("BUSY_PROCESS") == "1":
+        import multiprocessing as mp
+        stop, q = mp.Event(), mp.SimpleQueue()
+        w, result = mp.Process(target=busy, args=(stop, q.put)), q.get
+    else:
+        stop, got = threading.Event(), []
+        w, result = threading.Thread(target=busy, args=(stop, got.extend)), lambda: got
+    w.start()
+    def finish():
+        stop.set()
+        out = result()
+        w.join()
+        return out
+    return finish
+finish = start_busy()
+time.sleep(0.5)
+idle = statistics.median(finish())
+finish = start_busy()
+st0, ev0 = r.timing["step_s"], lay.stats.evicted_files
 t0 = time.perf_counter()
 store("k", blocks)
 dt = time.perf_counter() - t0
-stop.set(); th.join()
+out = finish()
 res = {"store_gbps": blocks * size / dt / 1e9, "seconds": dt,
        "step_ms_per_store": 1e3 * (r.timing["step_s"] - st0) / blocks,
        "busy_slowdown": statistics.median(out) / idle,

@@ -789,9 +789,8 @@ class PyKVCacheManager(OffloadingManager):
                     or self._on_disk(key)):
                 self.counters["stores_skipped"] += 1
                 continue
-            deferred = False
-            if disk and self._reuse_only and not self._seen_before(key):
-                deferred = True  # first store: no file until the block shows a reuse
+            # disk_admission=reuse, first store: no file until the block shows a reuse
+            deferred = disk and self._reuse_only and not self._seen_before(key)
             slot = -1
             if self.dram is not None:
                 adm = self._admission
@@ -800,18 +799,15 @@ class PyKVCacheManager(OffloadingManager):
                 if victim is not None and not adm.admit(key, victim):
                     # the tier keeps its block: more requests asked for it (loop workload)
                     self.counters["stores_not_admitted"] += 1
-                    if not disk or deferred:
-                        if deferred:
-                            self.counters["stores_disk_not_admitted"] += 1
+                    if not disk:
                         continue
                 else:
                     slot = self._acquire(evicted)
             if deferred and slot < 0:  # no DRAM slot to keep it in until it proves reused
                 self.counters["stores_disk_not_admitted"] += 1
                 continue
-            behind = False
+            behind = deferred  # DRAM only (dram_only); _unproven until a DRAM hit
             if deferred:
-                behind = True  # DRAM only (dram_only); _unproven until a DRAM hit
                 self._dram_only.add(key)
                 self._unproven.add(key)
                 self.counters["stores_disk_deferred"] += 1
