@@ -80,12 +80,15 @@ Eviction (global LRU with shared recency):
   and its mtime re-checked: a file touched since it was queued is pushed back with its
   new mtime instead (lazy re-ordering: a popped file whose mtime still matches is the
   least recent of all candidates), else renamed, in its directory, to a temp name of
-  this writer (metadata only: ~20 us where the unlink of a 28 MiB file takes ~8 ms) and
+  this writer (metadata only: ~0.02 ms where the unlink of a 28 MiB file takes ~10 ms,
+  docs/results/cpu/evict-path.md) and
   its ``lstat`` size subtracted from the ledger; the evictor thread unlinks such evicted
   files later, outside the lock (:meth:`Layout._drain_evicted`), so neither the ledger
   lock nor a reactor that reserves room waits for the filesystem to free the blocks.
-  Until then the disk holds up to one band (5 % of the bound) more than the ledger says;
-  a writer that dies first leaves them as its temp files, collected with the rest of
+  Until then the disk holds more than the ledger says: the files renamed and not yet
+  unlinked (not bounded by the layout; the evictor unlinks ~100 such 28 MiB files a
+  second on the CPU machine, faster than the disks we measured write them); a writer
+  that dies first leaves them as its temp files, collected with the rest of
   them. Temp files (``.tmp.*``) are never candidates: a live writer's temp is never
   unlinked by eviction.
 * Hot path: :meth:`Layout.reserve` reads the ledger; above 95% of the bound it wakes the

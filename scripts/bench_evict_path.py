@@ -18,20 +18,23 @@ gives medians.
 
 Usage: python scripts/bench_evict_path.py --tree before=/tmp/oldtree --tree after=.
        [--root DIR] [--blocks 120] [--block-mib 28] [--bound-files 40] [--rounds 3]
-       [--busy-process] [--json OUT]
+       [--busy-process] [--skip-unlink NAME] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 CHILD = r'''
 import json, os, statistics, sys, threading, time
@@ -42,6 +45,8 @@ from kvcache_core.layout import Layout, Namespace
 from kvcache_core.reactor import Reactor
 ns = Namespace("bench-evict", "u8", 1, size)
 lay = Layout(root, ns, max_disk_bytes=bound_files * ns.file_bytes)
+if os.environ.get("SKIP_UNLINK") == "1":  # --skip-unlink: evicted files are left alone
+    lay._drain_evicted = lambda: None
 r = Reactor(lay, n_slots=12, io_depth=8, lookahead=8, engine="auto", pin=False,
             store_policy="wait")
 def store(prefix, n):
@@ -94,6 +99,42 @@ print(json.dumps(res))
 '''
 
 
+def unlink_probe(parent: str, size: int, n: int = 10) -> dict:
+    """What removing a file of ``size`` bytes costs here, against renaming it: ``n`` files
+    written (O_DIRECT where accepted) and synced, then renamed in their directory, then
+    unlinked; per file: wall time and this process's CPU time."""
+    d = os.path.join(parent, "probe")
+    os.makedirs(d, exist_ok=True)
+    buf = mmap.mmap(-1, size)
+    buf.write(os.urandom(1 << 20) * (size >> 20))
+    paths = []
+    for i in range(n):
+        p = os.path.join(d, f"f{i}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            fd = os.open(p, flags | os.O_DIRECT, 0o600)
+        except OSError:
+            fd = os.open(p, flags, 0o600)
+        os.write(fd, buf)
+        os.close(fd)
+        paths.append(p)
+    os.sync()
+    out = {}
+    for op in ("rename", "unlink"):
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        for i, p in enumerate(paths):
+            if op == "rename":
+                os.rename(p, p + ".gone")
+                paths[i] = p + ".gone"
+            else:
+                os.unlink(p)
+        wall = time.perf_counter() - t0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+        out[op] = {"wall_ms": 1e3 * wall / n, "cpu_ms": 1e3 * cpu / n}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree", action="append", required=True, help="NAME=PATH (repeat)")
@@ -107,6 +148,10 @@ def main() -> int:
                     help="run the busy loop in a child process instead of a thread of the "
                     "storing process: no GIL shared, so what remains of its slowdown is "
                     "CPU contention")
+    ap.add_argument("--skip-unlink", action="append", default=[], metavar="NAME",
+                    help="diagnostic, for tree NAME (repeat): evicted files are renamed "
+                    "but never unlinked (the disk holds them until the run's root is "
+                    "removed)")
     ap.add_argument("--json")
     a = ap.parse_args()
     trees = [t.split("=", 1) for t in a.tree]
@@ -122,22 +167,32 @@ def main() -> int:
                     [sys.executable, "-c", CHILD, os.path.abspath(path), root,
                      str(a.blocks), str(a.block_mib << 20), str(a.bound_files)],
                     capture_output=True, text=True, check=True,
-                    env=dict(os.environ, BUSY_PROCESS="1" if a.busy_process else "0"))
+                    env=dict(os.environ, BUSY_PROCESS="1" if a.busy_process else "0",
+                             SKIP_UNLINK="1" if name in a.skip_unlink else "0"))
                 runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 shutil.rmtree(root, ignore_errors=True)
+        probe = unlink_probe(parent, a.block_mib << 20)
     finally:
         shutil.rmtree(parent, ignore_errors=True)
     med = {n: {k: statistics.median(r[k] for r in rs) for k in
                ("store_gbps", "step_ms_per_store", "busy_slowdown")} for n, rs in runs.items()}
     d = {"machine": f"{platform.node()} ({os.cpu_count()} cores)", "blocks": a.blocks,
          "block_mib": a.block_mib, "bound_files": a.bound_files, "rounds": a.rounds,
-         "busy": "process" if a.busy_process else "thread",
+         "busy": "process" if a.busy_process else "thread", "skip_unlink": a.skip_unlink,
+         "unlink_probe": probe,
          "trees": dict(trees), "runs": runs, "medians": med}
     lines = ["| tree | store GB/s | reactor step ms per store | busy thread slowdown | "
              "evicted per run |", "|---|---|---|---|---|"]
     for n, m in med.items():
         lines.append(f"| {n} | {m['store_gbps']:.2f} | {m['step_ms_per_store']:.2f} | "
                      f"{m['busy_slowdown']:.3f}x | {runs[n][0]['evicted']} |")
+    lines += ["", f"Removing one {a.block_mib} MiB file here (the mean of 10, written and "
+              f"synced first): rename {probe['rename']['wall_ms']:.3f} ms "
+              f"({probe['rename']['cpu_ms']:.3f} ms CPU), unlink "
+              f"{probe['unlink']['wall_ms']:.2f} ms ({probe['unlink']['cpu_ms']:.2f} ms CPU)."]
+    if a.skip_unlink:
+        lines += ["", f"Diagnostic (`--skip-unlink`): {', '.join(a.skip_unlink)} renamed "
+                  "its evicted files and never unlinked them."]
     print("\n".join(lines))
     if a.json:
         with open(a.json, "w") as f:
