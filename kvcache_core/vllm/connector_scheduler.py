@@ -195,6 +195,8 @@ class SchedulerSide:
         self._gate_decisions: dict[str, tuple[tuple[str, bool], ...]] = {}
         #: requests shorter than this write no files (``disk_min_prefix_tokens``)
         self.disk_min_prefix_tokens = 0
+        #: requests shorter than this store nothing (``min_store_prefix_tokens``)
+        self.min_store_prefix_tokens = 0
         #: short requests finished since the last metadata build (their last store job is
         #: built in the next one, still without files)
         self._short_finished: list[str] = []
@@ -219,6 +221,16 @@ class SchedulerSide:
         if self.disk_min_prefix_tokens:
             log.info("py-kvcache: requests with prompts shorter than %d tokens keep their "
                      "KV in the DRAM tier only (no files)", self.disk_min_prefix_tokens)
+        ms = opts.min_store_prefix_tokens
+        if ms == "auto":
+            ms = 0
+            if self.gate is not None and self.manager.dram is not None:
+                ms = self.gate.table.thresholds.get("dram") or 0
+        self.min_store_prefix_tokens = int(ms)
+        if self.min_store_prefix_tokens:
+            log.info("py-kvcache: requests with prompts shorter than %d tokens store "
+                     "nothing (the gate would recompute any hit they could give)",
+                     self.min_store_prefix_tokens)
 
     def _init_gate(self, opts: VllmOptions, path: str, vllm_config: VllmConfig) -> None:
         gate = self.gate = load_gate(path, vllm_config)
@@ -245,11 +257,14 @@ class SchedulerSide:
     # ------------------------------------------------------------------ lookup + gate
     def begin_lookup(self, request: Request) -> bool:
         """Before vLLM's lookup of ``request`` (per waiting request per step): a request
-        shorter than ``disk_min_prefix_tokens`` is marked short in the manager (its stores
+        shorter than ``min_store_prefix_tokens`` is marked in the manager to store nothing,
+        else one shorter than ``disk_min_prefix_tokens`` is marked short (its stores
         write no files). Returns whether the break-even gate judges this lookup (then
         the manager starts collecting its source tiers)."""
-        if (self.disk_min_prefix_tokens
-                and request.num_prompt_tokens < self.disk_min_prefix_tokens):
+        n = request.num_prompt_tokens
+        if self.min_store_prefix_tokens and n < self.min_store_prefix_tokens:
+            self.manager.nostore_requests.add(request.request_id)
+        elif self.disk_min_prefix_tokens and n < self.disk_min_prefix_tokens:
             self.manager.short_requests.add(request.request_id)
         if self.gate is None and not self.dram_load_sync:
             return False
@@ -416,7 +431,7 @@ class SchedulerSide:
         self._sync_lookup.discard(request.request_id)
         self._prefilling.pop(request.request_id, None)
         self._gate_decisions.pop(request.request_id, None)
-        if self.disk_min_prefix_tokens:
+        if self.disk_min_prefix_tokens or self.min_store_prefix_tokens:
             self._short_finished.append(request.request_id)
 
     # ------------------------------------------------------------------ per-step metadata
@@ -429,8 +444,10 @@ class SchedulerSide:
         the write-backs are always released."""
         if self._short_finished:  # their final store jobs were built just now
             short = self.manager.short_requests
+            nostore = self.manager.nostore_requests
             for rid in self._short_finished:
                 short.discard(rid)
+                nostore.discard(rid)
             self._short_finished.clear()
         flush = self.manager.take_flush_plan()
         if not (self._preload_plan or flush or self._sync_jobs):

@@ -137,6 +137,8 @@ MANAGER_COUNTERS: dict[str, str] = {
     "never pay off on this node and the DRAM tier had no slot (disk writes off).",
     "stores_dram_only_short": "Chunks kept in the DRAM tier only (no file) because their "
     "request's prompt is shorter than disk_min_prefix_tokens.",
+    "stores_skipped_below_floor": "Chunks not stored because their request's prompt is "
+    "shorter than min_store_prefix_tokens (a hit on them would be recomputed by the gate).",
     "stores_skipped_short": "Chunks not stored at all because their request's prompt is "
     "shorter than disk_min_prefix_tokens and the DRAM tier had no slot (or is off).",
     "restores_planned": "Chunks whose load failed (missing or corrupt file, invalid DRAM "
@@ -380,6 +382,10 @@ class PyKVCacheManager(OffloadingManager):
         #: requests whose prompt is shorter than the connector's ``disk_min_prefix_tokens``
         #: (req id; added and removed by the connector): their stores write no files
         self.short_requests: set[str] = set()
+        #: requests whose prompt is shorter than the connector's
+        #: ``min_store_prefix_tokens`` (req id; added and removed by the connector): they
+        #: store nothing
+        self.nostore_requests: set[str] = set()
         # keys being stored without a file (short request): nothing will be written
         self._dram_only: set[OffloadKey] = set()
         # keys being stored without a file because the write-back was full ("behind"),
@@ -775,6 +781,9 @@ class PyKVCacheManager(OffloadingManager):
         to_store: list[OffloadKey] = []
         slots: list[int] = []
         evicted: list[OffloadKey] = []
+        if req_context.req_id in self.nostore_requests:
+            self.counters["stores_skipped_below_floor"] += len(keys)
+            keys = ()
         # keys of this call that are DRAM-cached are pinned meanwhile: not evicted for it
         pinned = [] if self.dram is None else [
             s for s in (self.dram.pin(k) for k in keys) if s >= 0]

@@ -53,8 +53,8 @@ VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk
 #: Keys of the vLLM glue itself (not storage-engine keys).
 GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookahead",
                                "preload_max_blocks", "breakeven_table", "queue_aware_preload",
-                               "disk_min_prefix_tokens", "disk_lookup_cache_s",
-                               "dram_load_sync")
+                               "disk_min_prefix_tokens", "min_store_prefix_tokens",
+                               "disk_lookup_cache_s", "dram_load_sync")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY, MODEL_IDENTITY_KEY)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
@@ -89,6 +89,15 @@ GLUE_KEY_HELP: dict[str, str] = {
     "integer >= 0, or 'auto' (default): the break-even table's disk threshold "
     "(min_prefix_tokens of its disk tier) when breakeven_table is set, else 0 (every "
     "request writes its files).",
+    "min_store_prefix_tokens": "A request whose prompt is shorter than this many tokens "
+    "stores nothing (no DRAM-tier slot, no file). The break-even gate recomputes every "
+    "reusable prefix shorter than the DRAM tier's threshold, and a later request that "
+    "could reuse more than that is itself at least that long and stores every chunk of "
+    "its prompt (those it found in the GPU prefix cache included), so such stores are "
+    "never loaded; on chat traffic they are most of the stores and their copies slow "
+    "decoding. An integer >= 0, or 'auto' (default): the break-even table's DRAM "
+    "threshold (min_prefix_tokens of its dram tier) when breakeven_table is set and the "
+    "DRAM tier is on, else 0 (every request stores).",
     "disk_lookup_cache_s": "Seconds the scheduler believes a disk lookup that found a "
     "block's files (positive lookup cache, at most 65,536 blocks): later lookups of it "
     "touch no filesystem meanwhile. For distributed filesystems where each lookup is a "
@@ -122,6 +131,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "offload_prompt_only": "true", "self_describing_kv_events": "false",
     "model_id": "model path", "load_failure_policy": "`recompute`", "preload_lookahead": "4",
     "preload_max_blocks": "64", "breakeven_table": "-", "disk_min_prefix_tokens": "`auto`",
+    "min_store_prefix_tokens": "`auto`",
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
     "dram_load_sync": "true",
 }
@@ -147,6 +157,8 @@ class VllmOptions:
     queue_aware_preload: bool = False
     #: int, or "auto" (resolved by the connector from the break-even table)
     disk_min_prefix_tokens: int | str = "auto"
+    #: int, or "auto" (resolved by the connector from the break-even table)
+    min_store_prefix_tokens: int | str = "auto"
     #: seconds, or "auto" (resolved by the spec from root_dir's filesystem)
     disk_lookup_cache_s: float | str = "auto"
     #: :func:`model_identity` digest injected by the connector (None: not known)
@@ -223,6 +235,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     dm = ex.get("disk_min_prefix_tokens", "auto")
     _need(dm == "auto" or (isinstance(dm, int) and not isinstance(dm, bool) and dm >= 0),
           "disk_min_prefix_tokens", "must be an integer >= 0 or 'auto'", dm)
+    ms = ex.get("min_store_prefix_tokens", "auto")
+    _need(ms == "auto" or (isinstance(ms, int) and not isinstance(ms, bool) and ms >= 0),
+          "min_store_prefix_tokens", "must be an integer >= 0 or 'auto'", ms)
     lc = ex.get("disk_lookup_cache_s", "auto")
     _need(lc == "auto" or (isinstance(lc, (int, float)) and not isinstance(lc, bool)
                            and 0 <= lc <= 3600),
@@ -234,6 +249,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
                        load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
                        preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt,
                        queue_aware_preload=qa, disk_min_prefix_tokens=dm,
+                       min_store_prefix_tokens=ms,
                        disk_lookup_cache_s=lc,
                        model_identity=ex.get(MODEL_IDENTITY_KEY), dram_load_sync=dls,
                        dram_load_sync_set="dram_load_sync" in ex)

@@ -12,10 +12,10 @@ from kvcache_core.breakeven import BreakevenTable
 from . import helpers as H
 
 
-def _table(tmp_path, model_dir, disk):
+def _table(tmp_path, model_dir, disk, dram=0):
     p = str(tmp_path / "table.json")
     t = BreakevenTable(gpu="cpu", model=os.path.basename(model_dir),
-                       thresholds={"dram": 0, "disk": disk})
+                       thresholds={"dram": dram, "disk": disk})
     with open(p, "w") as f:
         json.dump(t.to_json(), f)
     return p
@@ -79,3 +79,32 @@ def test_disk_never_worth_it_turns_disk_writes_off(model_dir, workdir, reference
     assert H.same_output(out, reference["B"]) and out["num_cached_tokens"] == 768, s
     assert s["stores_dram"] == 3 and s["loads_dram"] == 3 and s["stores_written"] == 0, s
     assert H.cache_files(root) == set()
+
+
+def test_prompts_below_the_dram_threshold_store_nothing(model_dir, workdir, reference,
+                                                        tmp_path):
+    """min_store_prefix_tokens=auto with a table whose DRAM threshold is 950 tokens: C
+    (900 tokens) stores nothing (no DRAM slot, no file, counted) and its repeat is
+    recomputed with the same output; A (1000 tokens) stores its three chunks."""
+    table = _table(tmp_path, model_dir, 512, dram=950)
+    root = os.path.join(workdir, "root_gate_floor")
+    llm = H.make_llm(model_dir, H.extra_config(root, breakeven_table=table,
+                                               dram_cache_bytes=8 * H.FILE_BYTES))
+    try:
+        m = H.manager(llm)
+        c1 = H.generate(llm, H.PROMPTS["C"])
+        H.drain(llm)
+        s1 = m.stats()
+        c2 = H.generate(llm, H.PROMPTS["C"])
+        H.drain(llm)
+        files_c = H.cache_files(root)
+        H.generate(llm, H.PROMPTS["A"])
+        H.drain(llm)
+        s2 = m.stats()
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(c1, reference["C"]) and H.same_output(c2, reference["C"])
+    assert s1["stores_skipped_below_floor"] == 3 and s1.get("stores", 0) == 0, s1
+    assert s1.get("dram_cached", 0) == 0 and files_c == set()
+    d = H.delta(s2, s1)
+    assert d.get("stores_dram") == 3 and d.get("stores_skipped_below_floor", 0) == 3, d

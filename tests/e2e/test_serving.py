@@ -443,6 +443,37 @@ def test_short_prompts_stay_in_dram_without_files(reference, model_dir, workdir)
     assert len(files_a) == 3 and s2["dram_writeback_pinned"] == 0
 
 
+def test_prompts_below_the_store_floor_store_nothing(reference, model_dir, workdir):
+    """min_store_prefix_tokens=950 (no break-even table): C (900 tokens) stores nothing,
+    and its repeat is recomputed with the same output; A (1000 tokens) stores as before
+    and its repeat is a DRAM hit."""
+    root = os.path.join(workdir, "root_floor")
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES,
+                                               min_store_prefix_tokens=950))
+    try:
+        m = H.manager(llm)
+        c1 = H.generate(llm, C)
+        H.drain(llm)
+        c2 = H.generate(llm, C)
+        H.drain(llm)
+        s1 = m.stats()
+        files_c = H.cache_files(root)
+        a1 = H.generate(llm, A)
+        H.drain(llm)
+        a2 = H.generate(llm, A)
+        H.drain(llm)
+        s2 = m.stats()
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(c1, reference["C"]) and H.same_output(c2, reference["C"])
+    assert H.same_output(a1, reference["A"]) and H.same_output(a2, reference["A"])
+    assert s1["stores_skipped_below_floor"] == 6 and s1.get("stores", 0) == 0, s1
+    assert files_c == set() and c2["num_cached_tokens"] == 0
+    d = H.delta(s2, s1)
+    assert d.get("stores") == 3 and d.get("hits_dram") == 3, d
+    assert a2["num_cached_tokens"] == 3 * H.CHUNK
+
+
 def _steps_until_files(llm, root: str, n: int) -> None:
     """Other traffic (prompts shorter than a chunk: they store nothing) until ``root``
     holds ``n`` cache files or 30 requests passed: the engine steps that carry the
@@ -535,6 +566,7 @@ def test_config_errors_name_the_key(model_dir, workdir):
         H.extra_config(root, preload_lookahead=-1),
         H.extra_config(root, breakeven_table=5),
         H.extra_config(root, disk_min_prefix_tokens="4k"),
+        H.extra_config(root, min_store_prefix_tokens=-1),
         H.extra_config(root, disk_admission="often"),
     ]})
     errs = r["errors"]
@@ -543,7 +575,7 @@ def test_config_errors_name_the_key(model_dir, workdir):
     # vLLM validates KVTransferConfig, where pydantic wraps it: the message names the key
     named = ["unknown config key 'io_depht'", "'eviction_policy'", "'block_size'",
              "'staging_bytes'", "'preload_lookahead'", "'breakeven_table'",
-             "'disk_min_prefix_tokens'", "'disk_admission'"]
+             "'disk_min_prefix_tokens'", "'min_store_prefix_tokens'", "'disk_admission'"]
     for e, key in zip(errs, named, strict=True):
         assert ("ConfigError" in e or "py-kvcache config key" in e
                 or "py-kvcache: unknown config key" in e), e

@@ -225,6 +225,28 @@ def test_manager_short_requests_keep_dram_only_and_pin_nothing(tmp_path, vllm_av
     assert m.stats()["stores_skipped_short"] == 1
 
 
+def test_manager_requests_below_the_store_floor_store_nothing(tmp_path, vllm_available):
+    """min_store_prefix_tokens: a request the connector marked below the floor stores
+    nothing (no slot taken, nothing evicted, counted); a request in the same step that
+    is not marked stores as before."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    m = PyKVCacheManager(str(tmp_path), [Namespace("m", "bf16", 256, 1 << 16)], n_dram=1)
+    long_, short = ReqContext("long"), ReqContext("short")
+    m.prepare_store([key(1)], long_)
+    m.complete_store([key(1)], long_)
+    m.nostore_requests.add("short")
+    out = m.prepare_store([key(2), key(3)], short)
+    assert out.keys_to_store == [] and out.evicted_keys == []
+    st = m.stats()
+    assert st["stores_skipped_below_floor"] == 2 and st["stores"] == 1
+    assert st["dram_cached"] == 1  # key(1) kept its slot
+    m.nostore_requests.discard("short")
+    assert m.prepare_store([key(2)], short).keys_to_store == [key(2)]
+
+
 def test_manager_recompute_only_after_a_dead_reactor(tmp_path, vllm_available):
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 

@@ -42,6 +42,12 @@ def test_parse_extra_config_errors_name_the_key():
     assert O.parse_extra_config(base).disk_min_prefix_tokens == "auto"
     assert O.parse_extra_config({**base, "disk_min_prefix_tokens": 4096}
                                 ).disk_min_prefix_tokens == 4096
+    for bad in (-1, "2k", False, 2.5):
+        with pytest.raises(ConfigError, match="'min_store_prefix_tokens'"):
+            O.parse_extra_config({**base, "min_store_prefix_tokens": bad})
+    assert O.parse_extra_config(base).min_store_prefix_tokens == "auto"
+    assert O.parse_extra_config({**base, "min_store_prefix_tokens": 2048}
+                                ).min_store_prefix_tokens == 2048
     with pytest.raises(ConfigError, match="'dram_cache_bytes'"):
         O.pool_geometry(StorageConfig(dram_cache_bytes=4096),
                         Namespace("m", "bf16", 256, 1 << 20))
