@@ -15,7 +15,14 @@ and write-through files), ``kvcache_nodram`` (files only, no DRAM tier),
 ``noop_connector`` (scripts/noop_kv_connector.py: a connector whose hooks do nothing, what
 vLLM's own connector machinery costs), ``kvcache_dram_torchcopy`` (kvcache_dram with the
 CPU copies done by torch ``copy_`` on the reactor thread, as before the fix in
-docs/results/cpu/step-overhead.md: env ``KVCACHE_CPU_COPY=torch``).
+docs/results/cpu/step-overhead.md: env ``KVCACHE_CPU_COPY=torch``),
+``kvcache_dram_gate`` (kvcache_dram plus a break-even table, written into the work
+directory, whose DRAM tier pays from T tokens and whose disk never pays: as the H200
+tables do, it sets ``min_store_prefix_tokens=auto`` to T and turns disk writes off),
+``kvcache_dram_floor`` (kvcache_dram with explicit ``min_store_prefix_tokens`` and
+``disk_min_prefix_tokens`` of T and no table). T is half the prompt length
+(``--prefix-tokens`` + ``--suffix-tokens``), so every prompt stores and every prefix hit
+loads in both: they differ only by the gate's per-request work.
 ``--repeats`` runs the whole list that many times, interleaved (this box's speed drifts
 by tens of percent over minutes), and reports medians over repeats.
 
@@ -24,8 +31,9 @@ step with at least half the requests running (``step_ms``), the wall time of a r
 the mean per-token decode time, and, for the connector: store jobs per round and the
 number of engine steps between a store job's creation and its completion report
 (``store_steps`` histogram), flushes (``jobs_to_flush``) and the worker's time blocked
-in ``wait``. ``--profile CFG`` adds a cProfile of that configuration's measured rounds
-(top entries of py-kvcache and vLLM's offloading connector).
+in ``wait``, and what the gate / floors resolved to (``gating``). ``--profile CFG`` adds
+a cProfile of that configuration's measured rounds (top entries of py-kvcache and vLLM's
+offloading connector).
 
 Usage: python scripts/bench_step_overhead.py [--requests 24] [--rounds 4] [--json FILE]
 """
@@ -49,7 +57,7 @@ sys.path.insert(0, REPO)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 CONFIGS = ("prefix_cache", "kvcache_dram", "kvcache_disk", "kvcache_nodram", "noop_connector",
-           "kvcache_dram_torchcopy")
+           "kvcache_dram_torchcopy", "kvcache_dram_gate", "kvcache_dram_floor")
 
 
 def _prompts(args, rnd: int) -> list[list[int]]:
@@ -103,6 +111,19 @@ def child(args) -> dict:
         dram = 0 if cfg == "kvcache_nodram" else args.dram_mib << 20
         extra = H.extra_config(root, dram_cache_bytes=dram,
                                staging_bytes=32 * H.FILE_BYTES, io_depth=8, lookahead=8)
+        gate_tokens = (args.prefix_tokens + args.suffix_tokens) // 2  # prompts above it
+        if cfg == "kvcache_dram_gate":
+            from kvcache_core.breakeven import BreakevenTable
+
+            table = os.path.join(args.workdir, "breakeven-table.json")
+            t = BreakevenTable(gpu="cpu", model=os.path.basename(model),
+                               thresholds={"dram": gate_tokens, "disk": None})
+            with open(table, "w") as f:
+                json.dump(t.to_json(), f)
+            extra["breakeven_table"] = table
+        elif cfg == "kvcache_dram_floor":
+            extra.update(min_store_prefix_tokens=gate_tokens,
+                         disk_min_prefix_tokens=gate_tokens)
         extra.update(json.loads(args.kv_extra or "{}"))
     kw = {}
     if args.gpu_blocks:
@@ -124,7 +145,7 @@ def child(args) -> dict:
     if extra is not None:
         conn = H.scheduler_connector(llm)
         cs = conn.connector_scheduler
-        if cfg in ("kvcache_dram", "kvcache_dram_torchcopy"):
+        if cfg in ("kvcache_dram", "kvcache_dram_torchcopy", "kvcache_dram_floor"):
             conn._sched.manager.disk_stores = False
         worker = H._our_worker(conn) if conn._work is not None else None
         if worker is None:  # in-process executor: the worker-role connector
@@ -208,6 +229,11 @@ def child(args) -> dict:
     out["ms_per_token_median"] = statistics.median(r["ms_per_token"] for r in m)
     if cs is not None:
         st = H.manager(llm).stats()
+        sd = H.scheduler_connector(llm)._sched  # what the gate / floors resolved to
+        out["gating"] = {"gate": sd.gate is not None,
+                         "min_store_prefix_tokens": sd.min_store_prefix_tokens,
+                         "disk_min_prefix_tokens": sd.disk_min_prefix_tokens,
+                         "disk_stores": sd.manager.disk_stores}
         out["counters"] = {k: v for k, v in st.items() if v}
     if prof is not None:
         import io
