@@ -212,6 +212,21 @@ def scan_dir(path: str, sort: bool = False) -> list[os.DirEntry]:
     return entries
 
 
+def settled_isdir(path: str) -> bool:
+    """Whether ``path`` is a directory, where a ``stat`` that races another client's
+    ``mkdir`` of it on a distributed filesystem (ESTALE / ENOENT for up to about a
+    second on GlusterFS) is retried as in :func:`make_dirs` before answering False."""
+    delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
+    while True:
+        try:
+            return stat.S_ISDIR(os.stat(path).st_mode)
+        except OSError as e:
+            if e.errno not in _RACE_ERRNOS or time.monotonic() + delay > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+
 def round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
@@ -889,14 +904,14 @@ class Layout(LayoutIndex):
         # Temp files are created DEFAULT_FILE_MODE (the I/O engines' mode, see
         # io.base.DEFAULT_FILE_MODE); publish() chmods them when that is not file_mode.
         self._chmod_tmp = (DEFAULT_FILE_MODE & ~umask) != self.file_mode
-        if os.path.exists(self.root) and not os.path.isdir(self.root):
+        if os.path.exists(self.root) and not settled_isdir(self.root):
             raise LayoutError(errno.ENOTDIR, f"py-kvcache root_dir '{root}' is not a directory")
         try:
             make_dirs(self.root, self.dir_mode, umask)
         except OSError as e:
             raise LayoutError(e.errno, f"py-kvcache root_dir '{root}' cannot be created: "
                               f"{e.strerror}") from e
-        if not os.path.isdir(self.root):
+        if not settled_isdir(self.root):
             raise LayoutError(errno.ENOTDIR, f"py-kvcache root_dir '{root}' is not a directory")
         owner = os.stat(self.root).st_uid
         if owner != os.geteuid() and not allow_foreign_root:
