@@ -212,25 +212,27 @@ class SchedulerSide:
             self.dram_load_sync = dram_load_sync_supported(cs, opts)
         if opts.breakeven_table:
             self._init_gate(opts, opts.breakeven_table, vllm_config)
-        dm = opts.disk_min_prefix_tokens
-        if dm == "auto":
-            dm = 0
-            if self.gate is not None and not self.gate.never("disk"):
-                dm = self.gate.table.thresholds.get("disk") or 0
-        self.disk_min_prefix_tokens = int(dm)
+        self.disk_min_prefix_tokens = self._floor(
+            opts.disk_min_prefix_tokens, "disk",
+            self.gate is not None and not self.gate.never("disk"))
         if self.disk_min_prefix_tokens:
             log.info("py-kvcache: requests with prompts shorter than %d tokens keep their "
                      "KV in the DRAM tier only (no files)", self.disk_min_prefix_tokens)
-        ms = opts.min_store_prefix_tokens
-        if ms == "auto":
-            ms = 0
-            if self.gate is not None and self.manager.dram is not None:
-                ms = self.gate.table.thresholds.get("dram") or 0
-        self.min_store_prefix_tokens = int(ms)
+        self.min_store_prefix_tokens = self._floor(
+            opts.min_store_prefix_tokens, "dram", self.manager.dram is not None)
         if self.min_store_prefix_tokens:
             log.info("py-kvcache: requests with prompts shorter than %d tokens store "
                      "nothing (the gate would recompute any hit they could give)",
                      self.min_store_prefix_tokens)
+
+    def _floor(self, value: int | str, tier: str, applies: bool) -> int:
+        """A prompt-length floor: ``value``, or for ``"auto"`` the break-even table's
+        threshold of ``tier`` when there is a table and ``applies``, else 0."""
+        if value != "auto":
+            return int(value)
+        if self.gate is None or not applies:
+            return 0
+        return self.gate.table.thresholds.get(tier) or 0
 
     def _init_gate(self, opts: VllmOptions, path: str, vllm_config: VllmConfig) -> None:
         gate = self.gate = load_gate(path, vllm_config)
