@@ -268,6 +268,52 @@ def test_tree_sampler_sums_the_process_tree(tmp_path):
         assert max(s["pss_bytes"]) >= 80 << 20
 
 
+def test_window_delta_cuts_at_the_end_of_the_sample_before_the_window():
+    """A sample takes time (its /proc reads): the one before a window must have FINISHED
+    before the window began, or reads that happened while it was being taken (after the
+    window began) would count as before the window. The sample after the window must have
+    BEGUN after it ended. Samples without ``t_end`` count as instantaneous."""
+    samples = {"t": [0.0, 1.0, 2.0], "t_end": [0.1, 1.6, 2.1], "read_bytes": [0, 100, 150]}
+    # sample 1 began before t0=1.5 but finished after it: its 100 may include window reads
+    assert SC.window_delta(samples, "read_bytes", 1.5, 1.9) == 150
+    assert SC.window_delta(samples, "read_bytes", 1.7, 1.9) == 50
+    # sample 2 began after 1.9 but not after 2.05: the window runs to the last sample
+    assert SC.window_delta(samples, "read_bytes", 1.7, 2.05) == 50
+    del samples["t_end"]
+    assert SC.window_delta(samples, "read_bytes", 1.5, 1.9) == 50
+    # the scbench row cuts its disk window the same way
+    turns = [{"round": 0, "ctx": 0, "submit": 1.5, "ttft_s": 0.4}]
+    wrow = {"tokens": 8, "concurrency": 1, "docs": 1, "rounds": 1, "question_tokens": 1,
+            "turns": turns}
+    full = {"t": [0.0, 1.0, 2.0], "t_end": [0.1, 1.6, 2.1], "read_bytes": [0, 100, 150],
+            "rss_bytes": [1, 1, 1], "pss_bytes": [1, 1, 1], "system_used_bytes": [1, 1, 1]}
+    assert SC.scbench_row("x", wrow, full, 1)["disk_read_bytes"] == 150
+
+
+def test_sampled_process_waits_for_a_sample_after_its_last_request(tmp_path):
+    """The handshake: the sampled process announces that its requests are done
+    (``await_sample``) and returns once a sample begun after the announcement finished;
+    without a sampler it gives up after its timeout (False)."""
+    hs = str(tmp_path / "part.json")
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        sampler = SC.TreeSampler(p.pid, 0.3, handshake=hs).start()
+        time.sleep(0.1)
+        t_announce = time.monotonic()
+        assert asyncio.run(SC.await_sample(hs, 1, timeout=10))
+        took = time.monotonic() - t_announce
+        assert asyncio.run(SC.await_sample(hs, 2, timeout=10))  # each round its own
+        s = sampler.stop()
+    finally:
+        p.kill()
+        p.wait()
+    assert took < 5.0, took  # a sampling period and one sample, not the timeout
+    assert any(t >= t_announce for t in s["t"])
+    assert len(s["t_end"]) == len(s["t"]) and all(
+        e >= b for b, e in zip(s["t"], s["t_end"], strict=True))
+    assert not asyncio.run(SC.await_sample(str(tmp_path / "none.json"), 1, timeout=0.2))
+
+
 def _sc_run(rows):
     return {"machine": "m", "model": "x", "disk_read_gbps": 2.0, "results": rows}
 

@@ -120,12 +120,14 @@ def test_reserve_never_rescans_on_the_hot_path(tmp_path):
             walks_open = len(lay.walk_threads)
             t0 = time.monotonic()
             n = 2000
+            other_published = 16  # the "pre" files above
+            stored = 0
             for i in range(n):
                 k = f"hot{i}".encode()
-                lay.write_block(k, content(k, BB))  # a drop is counted (bounded below)
+                stored += lay.write_block(k, content(k, BB))  # False: dropped (counted)
                 lay.reserve(FB)
                 if i % 200 == 0:  # the other process keeps publishing (not a sole writer)
-                    other.cmd("pub", [f"o{i}-{j}" for j in range(8)])
+                    other_published += len(other.cmd("pub", [f"o{i}-{j}" for j in range(8)]))
             elapsed = time.monotonic() - t0
             evictor = lay._evictor.ident
             stats = lay.stats
@@ -141,10 +143,16 @@ def test_reserve_never_rescans_on_the_hot_path(tmp_path):
     assert later.count(me) == stats.rescans_hot, (later.count(me), stats)
     assert stats.rescans_hot <= 1 + elapsed / HOT_RESCAN_MIN_GAP_S, (stats, elapsed)
     assert set(later) <= {evictor, me}
-    assert stats.evicted_files >= n - 16, stats
+    # every store is published or dropped (counted: the drops of the extra reserves too),
+    # and every publish past the bound evicted: at most the bound's 16 files, and one per
+    # file the other process published (its publishes may evict ours instead), are left
+    # unevicted
+    assert stats.published == stored and stats.dropped_full >= n - stored, (stored, stats)
+    assert stats.evicted_files >= stats.published - 16 - other_published, stats
     # a store finding no candidate within the fallback's gap is dropped (counted), never
-    # waited for: a short window
-    assert stats.dropped_full <= n // 4, stats
+    # waited for: drops come in short windows (until the evictor's next scan), whose
+    # length depends on how busy the machine is (a loaded CI machine: ~20% of the stores)
+    assert stats.published >= n // 2, stats
     rescans = stats.rescans - at_open - stats.rescans_hot  # the evictor's walks
     assert rescans <= 2 + elapsed / MIN_RESCAN_GAP_S, (rescans, elapsed)
     assert rescans < n // 20, rescans

@@ -166,6 +166,26 @@ def brick_ledger(bricks: list[str], rel_base: str, name: str = ".usage") -> int:
     raise AssertionError(f"no {name} on the bricks {bricks} under {rel_base}")
 
 
+def await_ledger_on_bricks(copies: list[list[str]], rel_base: str, mount_bases: list[str],
+                          timeout: float = 20.0) -> None:
+    """Wait until every full copy of the volume holds the namespace's ledger. A replica
+    client that lost a brick for a moment creates the entry on the other brick only, and
+    AFR heals it on the next lookup through a mount (stat of the ledger here); without
+    this a brick read right after the workers opened their layouts can miss it."""
+    def everywhere() -> bool:
+        for m in mount_bases:
+            with contextlib.suppress(OSError):
+                os.stat(os.path.join(m, ".usage"))
+        try:
+            for c in copies:
+                brick_ledger(c, rel_base)
+        except AssertionError:
+            return False
+        return True
+
+    _wait_for(everywhere, timeout, "the ledger on every brick", step=0.1)
+
+
 def brick_temps(bricks: list[str], rel_base: str) -> list[str]:
     """Names of the temp files on the bricks (DHT link files excluded)."""
     out = []
@@ -327,8 +347,9 @@ def test_max_disk_bytes_is_a_cluster_wide_bound(mounts, gluster, tmp_path):
             return len(list(ctl.glob("ready-*"))) == N_WORKERS
 
         _wait_for(ready, 60, "the workers to open their layouts")
-        obs = BoundObserver(os.path.join(roots[0], NS.dirname()),
-                            brick_copies(gluster, layout), rel_base)
+        bases = [os.path.join(r, NS.dirname()) for r in roots]
+        await_ledger_on_bricks(brick_copies(gluster, layout), rel_base, bases)
+        obs = BoundObserver(bases[0], brick_copies(gluster, layout), rel_base)
         obs.start()
         t_go = time.monotonic()
         (ctl / "go").touch()
@@ -362,6 +383,7 @@ def test_max_disk_bytes_is_a_cluster_wide_bound(mounts, gluster, tmp_path):
     peak = max(s[2] for s in samples)
     assert peak >= 0.85 * bound, (peak, bound)  # the bound was reached and enforced
     # at the end: ledger == disk (bricks, and each mount's own walk), nothing left over
+    await_ledger_on_bricks(brick_copies(gluster, layout), rel_base, bases)
     final_files, final_bytes = brick_usage(bricks, rel_base)
     assert brick_ledger(bricks, rel_base) == final_bytes <= bound
     for other in brick_copies(gluster, layout)[1:]:  # replica: both bricks alike

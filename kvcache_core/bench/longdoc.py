@@ -253,6 +253,7 @@ async def _worker(args) -> dict:
             row = {"tokens": d, "concurrency": args.concurrency}
             if args.workload == "scbench":
                 row.update(await _scbench_turns(engine, args, d, docs))
+                await _sampled(args)
                 out["rows"].append(row)
                 log(f"{args.config} scbench D={d}: mean TTFT "
                     f"{statistics.fmean(row['ttft_all']):.3f}s over {len(row['ttft_all'])} "
@@ -290,11 +291,7 @@ async def _worker(args) -> dict:
                 row["load_wall_s"] = time.perf_counter() - t0
                 row["ttft_hit_all"] = hits
                 row["hit_docs"] = order
-                if args.sample_interval:
-                    # the parent samples this tree on a grid: stay alive for two more
-                    # samples, so that one falls after the last request's end and the
-                    # window delta (scbench.window_delta) holds every read of the phase
-                    await asyncio.sleep(2.5 * args.sample_interval)
+                await _sampled(args)
             out["rows"].append(row)
             log(f"{args.config}/{args.phase} D={d}: " + ", ".join(
                 f"{k}={statistics.median(v):.3f}s" for k, v in row.items()
@@ -303,6 +300,23 @@ async def _worker(args) -> dict:
         engine.shutdown()
     out["req_log"] = REQ_LOG
     return out
+
+
+async def _sampled(args) -> None:
+    """With the parent sampling this process tree: wait until a sample begun after the
+    last request is done (the handshake of :class:`.scbench.TreeSampler`), so that the
+    window delta (``scbench.window_delta``) holds every read of the phase."""
+    if not args.sample_interval:
+        return
+    global _SAMPLED_SEQ
+    _SAMPLED_SEQ += 1
+    if not await SC.await_sample(args.out_part, _SAMPLED_SEQ,
+                                 timeout=max(30.0, 20 * args.sample_interval)):
+        log(f"{args.config}/{args.phase}: no process-tree sample after the last request; "
+            "the disk-read window ends at the last sample")
+
+
+_SAMPLED_SEQ = 0
 
 
 async def _scbench_turns(engine, args, d: int, contexts: list[list[int]]) -> dict:
@@ -339,8 +353,11 @@ def _run_child(args, config: str, phase: str, timeout: float,
     if args.trace:
         env["KVCACHE_TRACE"] = os.path.join(args.trace, f"{config}-{phase}")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    for ext in (".idle", ".sampled"):  # a previous run's handshake
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part + ext)
     p = subprocess.Popen(cmd, env=env, start_new_session=True)
-    sampler = SC.TreeSampler(p.pid, sample).start() if sample > 0 else None
+    sampler = SC.TreeSampler(p.pid, sample, handshake=part).start() if sample > 0 else None
     samples = None
     try:
         rc = p.wait(timeout=timeout)

@@ -15,6 +15,7 @@ machine), so the driver's samples and the engine process' turn times line up.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -99,13 +100,27 @@ class TreeSampler:
     (a process that exits keeps its last value, so the sum never goes down), and the
     machine's used memory (MemTotal - MemAvailable: pinned and driver allocations that a
     process' RSS may not show; page cache excluded) and the machine's page cache
-    (``Cached``: what buffered reads keep outside any process)."""
+    (``Cached``: what buffered reads keep outside any process).
 
-    def __init__(self, pid: int, interval: float = 0.25) -> None:
+    A sample is not instantaneous: reading /proc for a large tree takes tens of
+    milliseconds, hundreds on a loaded machine. ``t`` is when a sample began and
+    ``t_end`` when its last value had been read; its values describe some moment in
+    between. Window arithmetic (:func:`window_delta`) uses ``t_end`` for the sample
+    before a window and ``t`` for the one after it, so a window never loses what happened
+    while a sample was being taken. ``read_bytes`` is read first, in one quick pass.
+
+    ``handshake`` (a path prefix, optional): the sampled process writes a sequence number
+    to ``<handshake>.idle`` when its requests are done (:func:`await_sample`); a sample
+    that BEGAN after that file appeared then writes the number to ``<handshake>.sampled``,
+    so the process knows a sample after its last request exists before it exits."""
+
+    def __init__(self, pid: int, interval: float = 0.25, handshake: str | None = None,
+                 ) -> None:
         self.pid = pid
         self.interval = interval
+        self.handshake = handshake
         self.series: dict[str, list[float]] = {
-            "t": [], "rss_bytes": [], "pss_bytes": [], "read_bytes": [],
+            "t": [], "t_end": [], "rss_bytes": [], "pss_bytes": [], "read_bytes": [],
             "system_used_bytes": [], "page_cache_bytes": []}
         self._seen: dict[int, int] = {}
         self._stop = threading.Event()
@@ -123,7 +138,10 @@ class TreeSampler:
     def _run(self) -> None:
         nxt = time.monotonic()
         while True:
+            seq = _read_text(self.handshake + ".idle") if self.handshake else None
             self.sample()
+            if seq is not None:
+                _write_text(self.handshake + ".sampled", seq)
             nxt = max(nxt + self.interval, time.monotonic())  # a fixed grid, never bursts
             if self._stop.wait(nxt - time.monotonic()):
                 return
@@ -134,21 +152,53 @@ class TreeSampler:
         pids = tree_pids(self.pid)
         if not pids:  # the tree is gone: nothing to sample
             return
+        for p in pids:  # first and quick: the counter that windows are cut from
+            rb = _read_bytes(p)
+            if rb is not None:
+                self._seen[p] = max(rb, self._seen.get(p, 0))
         for p in pids:
             m = _mem_kb(f"/proc/{p}/status", ("VmRSS",))
             rss += m.get("VmRSS", 0)
             pss += _mem_kb(f"/proc/{p}/smaps_rollup", ("Pss",)).get("Pss", 0)
-            rb = _read_bytes(p)
-            if rb is not None:
-                self._seen[p] = max(rb, self._seen.get(p, 0))
         mi = _mem_kb("/proc/meminfo", ("MemTotal", "MemAvailable", "Cached"))
         s = self.series
         s["t"].append(t)
+        s["t_end"].append(time.monotonic())
         s["rss_bytes"].append(rss)
         s["pss_bytes"].append(pss)
         s["read_bytes"].append(sum(self._seen.values()))
         s["system_used_bytes"].append(mi.get("MemTotal", 0) - mi.get("MemAvailable", 0))
         s["page_cache_bytes"].append(mi.get("Cached", 0))
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _write_text(path: str, text: str) -> None:
+    """Atomically (a reader sees the old or the new text, never a torn one)."""
+    tmp = f"{path}.tmp{threading.get_ident()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+async def await_sample(handshake: str, seq: int, timeout: float = 30.0) -> bool:
+    """Called by the SAMPLED process once its requests are done: announce ``seq`` and
+    wait (at most ``timeout`` seconds, polling) until a :class:`TreeSampler` sample begun
+    after the announcement has finished. True when one did; False on timeout (the window
+    then ends at the last sample, and may miss the last reads)."""
+    _write_text(handshake + ".idle", str(seq))
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if _read_text(handshake + ".sampled") == str(seq):
+            return True
+        await asyncio.sleep(0.01)
+    return False
 
 
 # ---------------------------------------------------------------------------- results
@@ -165,13 +215,17 @@ def throughput(t: Sequence[float], cum: Sequence[float]) -> tuple[list[float], l
 
 def window_delta(samples: dict[str, list[float]], name: str, t0: float,
                  t1: float) -> int | None:
-    """Change of series ``name`` from the last sample at or before ``t0`` (else the first)
-    to the first sample at or after ``t1`` (else the last): e.g. the bytes the tree read
-    while requests were in flight, not while the engine started."""
+    """Change of series ``name`` from the last sample finished at or before ``t0`` (else
+    the first) to the first sample begun at or after ``t1`` (else the last): e.g. the
+    bytes the tree read while requests were in flight, not while the engine started.
+    Samples without ``t_end`` count as instantaneous."""
     t, v = samples.get("t") or [], samples.get(name) or []
     if len(t) < 2 or len(v) != len(t):
         return None
-    a = _at_or_before(t, v, t0)
+    te = samples.get("t_end") or t
+    if len(te) != len(t):
+        te = t
+    a = _at_or_before(te, v, t0)
     b = _at_or_after(t, v, t1)
     return int((v[-1] if b is None else b) - (v[0] if a is None else a))
 
@@ -224,11 +278,10 @@ def scbench_row(config: str, wrow: dict[str, Any], samples: dict[str, list[float
         "peak_system_used_bytes": None, "series": None}
     if samples and samples.get("t"):
         st = samples["t"]
-        a = _at_or_before(st, samples["read_bytes"], t0)
-        b = _at_or_after(st, samples["read_bytes"], t_end)
-        if b is None:  # the process ended before a sample after the last answer
-            b = samples["read_bytes"][-1]
-        row["disk_read_bytes"] = int(b - (a if a is not None else samples["read_bytes"][0]))
+        # the process may end before a sample after the last answer: the last one counts
+        row["disk_read_bytes"] = window_delta(samples, "read_bytes", t0, t_end)
+        if row["disk_read_bytes"] is None:  # a single sample
+            row["disk_read_bytes"] = 0
         keep = [i for i, ti in enumerate(st)
                 if t0 - SERIES_MARGIN_S <= ti <= t_end + SERIES_MARGIN_S]
         mem = samples["pss_bytes"] if any(samples["pss_bytes"]) else samples["rss_bytes"]
