@@ -253,7 +253,7 @@ async def _worker(args) -> dict:
             row = {"tokens": d, "concurrency": args.concurrency}
             if args.workload == "scbench":
                 row.update(await _scbench_turns(engine, args, d, docs))
-                await _sampled(args)
+                await _sampled(args, len(out["rows"]) + 1)
                 out["rows"].append(row)
                 log(f"{args.config} scbench D={d}: mean TTFT "
                     f"{statistics.fmean(row['ttft_all']):.3f}s over {len(row['ttft_all'])} "
@@ -291,7 +291,7 @@ async def _worker(args) -> dict:
                 row["load_wall_s"] = time.perf_counter() - t0
                 row["ttft_hit_all"] = hits
                 row["hit_docs"] = order
-                await _sampled(args)
+                await _sampled(args, len(out["rows"]) + 1)
             out["rows"].append(row)
             log(f"{args.config}/{args.phase} D={d}: " + ", ".join(
                 f"{k}={statistics.median(v):.3f}s" for k, v in row.items()
@@ -302,21 +302,17 @@ async def _worker(args) -> dict:
     return out
 
 
-async def _sampled(args) -> None:
+async def _sampled(args, seq: int) -> None:
     """With the parent sampling this process tree: wait until a sample begun after the
-    last request is done (the handshake of :class:`.scbench.TreeSampler`), so that the
-    window delta (``scbench.window_delta``) holds every read of the phase."""
+    last request is done (the handshake of :class:`.scbench.TreeSampler`; ``seq``: the
+    row's number, unique in this process), so that the window delta
+    (``scbench.window_delta``) holds every read of the phase."""
     if not args.sample_interval:
         return
-    global _SAMPLED_SEQ
-    _SAMPLED_SEQ += 1
-    if not await SC.await_sample(args.out_part, _SAMPLED_SEQ,
+    if not await SC.await_sample(args.out_part, seq,
                                  timeout=max(30.0, 20 * args.sample_interval)):
         log(f"{args.config}/{args.phase}: no process-tree sample after the last request; "
             "the disk-read window ends at the last sample")
-
-
-_SAMPLED_SEQ = 0
 
 
 async def _scbench_turns(engine, args, d: int, contexts: list[list[int]]) -> dict:
