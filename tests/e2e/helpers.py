@@ -184,7 +184,8 @@ def _our_worker(conn) -> Any:
 def _settle_worker(worker) -> Any:
     """Runs in every worker process (``collective_rpc``): wait until the reactor has no
     I/O in flight (store jobs are acknowledged once copied; their files follow), then
-    hand over the worker's report as the next engine step would."""
+    hand over the worker's report and the keys whose write-back ended (which unpin
+    their DRAM-tier slots) as the next engine step would."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     w = _our_worker(get_kv_transfer_group())
@@ -192,7 +193,7 @@ def _settle_worker(worker) -> Any:
         return None
     if not w.reactor.wait(60):
         raise TimeoutError("reactor I/O still in flight")
-    return w.take_report()
+    return (*w.take_report(), w.take_written())
 
 
 def _kill_reactor(worker) -> bool:
@@ -225,7 +226,8 @@ def drain(llm, timeout: float = 60.0) -> None:
     m = manager(llm)
     for rep in llm.collective_rpc(_settle_worker):
         if rep is not None:
-            m.on_worker_report(*rep)
+            failed, counters, written = rep
+            m.on_worker_report(failed, counters, written=dict.fromkeys(written, 1))
 
 
 def reset_prefix_cache(llm, timeout: float = 30.0) -> None:
