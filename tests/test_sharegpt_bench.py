@@ -543,6 +543,7 @@ def test_end_to_end_openai_server_cpu(tmp_path):
         env=env, cwd=REPO, capture_output=True, text=True, timeout=380)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "[sharegpt" in p.stderr and "replaying 12 requests" in p.stderr  # progress
+    assert re.search(r"prefix_cache: mean TTFT [0-9.]+s, .* mean ITL [0-9.]+ ms, ", p.stderr)
     res = json.load(open(out))
     assert res["n_requests"] == 12 and res["machine"] == "cpu-test"
     rows = {r["config"]: r for r in res["results"]}

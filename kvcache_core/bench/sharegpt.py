@@ -1040,6 +1040,7 @@ class Server:
             row["cache_stats"] = {k: v for k, v in delta.items() if v}
         log(f"{cfg}: mean TTFT {_f(row.get('mean_ttft_s'))}s, median "
             f"{_f(row.get('median_ttft_s'))}s, p90 {_f(row.get('p90_ttft_s'))}s, "
+            f"mean ITL {_f(_ms(row.get('mean_itl_s')), 1)} ms, "
             f"{_f(row.get('throughput_rps'), 1)} req/s, errors {row['n_errors']}"
             + (f", stores {row.get('stores')}, dropped "
                f"{row.get('stores_dropped_backpressure')}" if c else ""))
@@ -1087,6 +1088,11 @@ def run_config(args, cfg: str, rnd: int, reqs: list[dict], model_dir: str,
 
 def _f(v, nd: int = 3) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
+
+
+def _ms(v: float | None) -> float | None:
+    """Seconds as milliseconds (None stays None)."""
+    return None if v is None else v * 1e3
 
 
 MEDIAN_KEYS = ("mean_ttft_s", "median_ttft_s", "p90_ttft_s", "p99_ttft_s", "mean_itl_s",
