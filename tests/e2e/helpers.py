@@ -182,10 +182,12 @@ def _our_worker(conn) -> Any:
 
 
 def _settle_worker(worker) -> Any:
-    """Runs in every worker process (``collective_rpc``): wait until the reactor has no
-    I/O in flight (store jobs are acknowledged once copied; their files follow), then
-    hand over the worker's report and the keys whose write-back ended (which unpin
-    their DRAM-tier slots) as the next engine step would."""
+    """Runs in every worker process (``collective_rpc``, on the model-runner thread that
+    otherwise drains completions in an engine step): wait until the reactor has no I/O
+    in flight (store jobs are acknowledged once copied; their files follow), take the
+    reactor's completions as the next engine step would (a flush write that ended after
+    the last step is only then among the written keys), then hand over the worker's
+    report and the keys whose write-back ended (which unpin their DRAM-tier slots)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     w = _our_worker(get_kv_transfer_group())
@@ -193,6 +195,7 @@ def _settle_worker(worker) -> Any:
         return None
     if not w.reactor.wait(60):
         raise TimeoutError("reactor I/O still in flight")
+    w._drain()
     return (*w.take_report(), w.take_written())
 
 
