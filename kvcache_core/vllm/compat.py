@@ -118,6 +118,16 @@ else:
     EVENT_MEDIUM = "PYKVCACHE"
 
 
+#: Whether vLLM's offloading scheduler's store-job builder (``_build_store_jobs``) may
+#: be handed only the scheduled requests that can have a new chunk to store
+#: (:meth:`~kvcache_core.vllm.connector_scheduler.SchedulerSide.store_view`). 0.26: yes;
+#: its builder reads only ``num_scheduled_tokens`` and ``finished_req_ids`` of the
+#: scheduler output, and for a running request whose storable chunk count did not pass
+#: ``next_stored_chunk_idx`` it does nothing. 0.32: no (its builder also serves
+#: retention intervals and sliding-window tails): vLLM's full loop runs.
+STORE_JOB_PREFILTER: bool = VLLM_LINE == "0.26"
+
+
 def offload_cache_dtype(config: Any, model_dtype: str | None) -> str:
     """The KV-cache dtype as 0.26 reports it in ``OffloadingConfig.model.dtype``:
     ``"auto"`` unless ``--kv-cache-dtype`` names another dtype than the model's.

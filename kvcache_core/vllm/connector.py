@@ -236,6 +236,16 @@ class OffloadingConnector(_VllmOffloadingConnector):
         assert self._work is not None
         self._work.start_preloads(self._connector_metadata)
 
+    def has_connector_metadata(self) -> bool:
+        """Always False, so that vLLM's per-layer attention wrapper
+        (``maybe_transfer_kv_layer``, its only caller outside connectors in 0.26 and 0.32)
+        skips ``wait_for_layer_load`` and ``save_kv_layer`` for every layer of every step:
+        ours are vLLM's no-ops (transfers are per step, not per layer), and in eager mode
+        and piecewise CUDA graphs those two calls per layer ran on the model-runner
+        thread's critical path. The bound metadata itself is unaffected
+        (``_connector_metadata``, read by every per-step hook)."""
+        return False
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Before the forward pass: preloads (if not started yet), then vLLM's jobs, then
         the forward pass is ordered after this step's synchronous DRAM loads."""

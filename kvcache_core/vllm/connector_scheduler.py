@@ -49,6 +49,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from ..breakeven import Gate, QueueModel, load_table
 from ..config import ConfigError
+from . import compat
 from .manager import PyKVCacheManager
 from .metadata import PyKVCacheConnectorMetadata, PyKVCacheWorkerMetadata
 from .options import VllmOptions
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
         GroupOffloadConfig,
         OffloadingConnectorScheduler,
     )
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.pykvcache")
@@ -123,6 +125,19 @@ def dram_load_sync_supported(cs: object, opts: VllmOptions) -> bool:
                     "are loaded asynchronously (dram_load_sync off)", ", ".join(missing))
         return False
     return True
+
+
+class _StoreView:
+    """What vLLM 0.26's store-job builder reads of a ``SchedulerOutput``: the scheduled
+    requests that may have a chunk to store (req id -> tokens scheduled) and the
+    finished ones (vLLM's set, unchanged). Built by :meth:`SchedulerSide.store_view`."""
+
+    __slots__ = ("num_scheduled_tokens", "finished_req_ids")
+
+    def __init__(self, num_scheduled_tokens: dict[str, int],
+                 finished_req_ids: set[str] | None) -> None:
+        self.num_scheduled_tokens = num_scheduled_tokens
+        self.finished_req_ids = finished_req_ids
 
 
 class _QueueAdmission:
@@ -210,6 +225,16 @@ class SchedulerSide:
         self._num_workers: int = int(cs.config.num_workers)
         if self.dram_load_sync:
             self.dram_load_sync = dram_load_sync_supported(cs, opts)
+        #: vLLM 0.26 (``compat.STORE_JOB_PREFILTER``): vLLM's store-job builder is handed
+        #: :meth:`store_view` of each step's output instead of the whole batch
+        self._prompt_only: bool = bool(getattr(cs.config, "offload_prompt_only", False))
+        if compat.STORE_JOB_PREFILTER and hasattr(cs, "_build_store_jobs"):
+            build = cs._build_store_jobs  # vLLM's bound method
+
+            def _build_store_jobs(scheduler_output: SchedulerOutput) -> dict:
+                return build(self.store_view(scheduler_output))
+
+            cs._build_store_jobs = _build_store_jobs
         if opts.breakeven_table:
             self._init_gate(opts, opts.breakeven_table, vllm_config)
         self.disk_min_prefix_tokens = self._floor(
@@ -458,6 +483,51 @@ class SchedulerSide:
         plan, self._preload_plan = self._preload_plan, []
         sync, self._sync_jobs = self._sync_jobs, []
         return PyKVCacheConnectorMetadata.extend(meta, plan, flush, sync)
+
+    def store_view(self, scheduler_output: SchedulerOutput) -> SchedulerOutput | _StoreView:
+        """The part of this step's ``scheduler_output`` that vLLM 0.26's store-job builder
+        must see (scheduler thread, once per step, inside vLLM's ``build_connector_meta``).
+
+        vLLM's builder walks every scheduled request each step (~4 us each on a
+        decode-heavy batch) although a running request has a new chunk to store only
+        when its computed tokens cross a chunk boundary (every ``tokens_per_chunk``
+        tokens, i.e. once in hundreds of decode steps). Kept: a request whose tokens
+        after this step reach past its next unstored chunk in some KV group
+        (``(num_computed_tokens + scheduled) // tokens_per_chunk >
+        next_stored_chunk_idx``, capped at the prompt with ``offload_prompt_only``: an
+        upper bound of vLLM's own count), and any finished one. Dropped: the others
+        (vLLM would find nothing to store and only re-set the same index), those vLLM
+        does not track, and requests marked to store nothing (``min_store_prefix_tokens``:
+        their chunks reach ``prepare_store`` once, when they finish, and are counted as
+        skipped then). Returns ``scheduler_output`` itself when every request is kept."""
+        sched = scheduler_output.num_scheduled_tokens
+        if not sched:
+            return scheduler_output
+        rs = self._cs._req_status
+        nostore = self.manager.nostore_requests
+        prompt_only = self._prompt_only
+        groups = self.group_configs
+        one = len(groups) == 1
+        tpc = groups[0].tokens_per_chunk
+        keep: dict[str, int] = {}
+        for rid, n in sched.items():
+            st = rs.get(rid)
+            if st is None or rid in nostore:
+                continue
+            req = st.req
+            upto = req.num_computed_tokens + n
+            if prompt_only and upto > req.num_prompt_tokens:
+                upto = req.num_prompt_tokens
+            if one:
+                due = upto // tpc > st.group_states[0].next_stored_chunk_idx
+            else:
+                due = any(upto // g.tokens_per_chunk > s.next_stored_chunk_idx
+                          for g, s in zip(groups, st.group_states, strict=True))
+            if due or req.is_finished():
+                keep[rid] = n
+        if len(keep) == len(sched):
+            return scheduler_output
+        return _StoreView(keep, scheduler_output.finished_req_ids)
 
     # ------------------------------------------------------------------ worker reports
     def on_worker_meta(self, meta: KVConnectorWorkerMetadata | None) -> None:

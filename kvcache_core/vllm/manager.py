@@ -269,7 +269,7 @@ DISK_ADMISSIONS = ("all", "reuse")
 
 
 #: shortest gap between two writes of ``$KVCACHE_STATS_FILE`` (benchmarks, ``make run``)
-STATS_EXPORT_GAP_S = 0.02
+STATS_EXPORT_GAP_S = 0.1
 
 
 class _StatsExporter:
@@ -373,6 +373,9 @@ class PyKVCacheManager(OffloadingManager):
         self.counters: collections.Counter[str] = collections.Counter()
         self._reported: dict[str, int] = {}
         self._reported_gauges: dict[str, int] = {}
+        #: the counters' values at the last get_stats (a step without change skips the
+        #: per-counter delta loop)
+        self._stats_sig: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._lookup_disk = False
         #: counters owned by others (the connector's break-even gate), reported in stats()
         self.extra_counters: dict[str, int] = {}
@@ -1096,13 +1099,16 @@ class PyKVCacheManager(OffloadingManager):
         )
 
         delta = {}
-        for k, v in (*self.counters.items(), *self.extra_counters.items()):
-            if k in MANAGER_GAUGES:  # reported by the workers as deltas, exposed as gauges
-                continue
-            d = v - self._reported.get(k, 0)
-            if d:
-                delta[k] = d
-                self._reported[k] = v
+        sig = (tuple(self.counters.values()), tuple(self.extra_counters.values()))
+        if sig != self._stats_sig:  # per step: most steps change no counter
+            self._stats_sig = sig
+            for k, v in (*self.counters.items(), *self.extra_counters.items()):
+                if k in MANAGER_GAUGES:  # reported by the workers as deltas, shown as gauges
+                    continue
+                d = v - self._reported.get(k, 0)
+                if d:
+                    delta[k] = d
+                    self._reported[k] = v
         gauges = self.gauges()
         if gauges == self._reported_gauges:
             gauges = {}

@@ -74,6 +74,10 @@ log = logging.getLogger("vllm.pykvcache")
 
 #: job latencies kept for the scheduler between two reports, per histogram
 MAX_PENDING_OBSERVATIONS = 4096
+#: :meth:`PyKVCacheWorker.take_report` rebuilds the counter snapshot when something
+#: happened since its last one, and at least this often (diagnostic timings and the
+#: evictor's counters move without I/O activity)
+REPORT_MAX_GAP_S = 1.0
 
 
 @dataclass
@@ -150,6 +154,9 @@ class PyKVCacheWorker(OffloadingWorker):
         self._gen = 0
         self.counters: collections.Counter[str] = collections.Counter()
         self._reported: dict[str, int] = {}
+        #: activity signature and deadline of the last snapshot (take_report)
+        self._report_sig: tuple[int, float, int, int] = (-1, -1.0, -1, -1)
+        self._report_due = 0.0
         self._closed = False
         self._preload_seq = 0
         #: preload request id -> its keys, until the reactor reports it
@@ -484,6 +491,16 @@ class PyKVCacheWorker(OffloadingWorker):
         scheduler (sent in the connector's worker metadata)."""
         self._check_health()
         failed, self._failed_keys = self._failed_keys, set()
+        # Once per engine step: skip the ~40-counter snapshot when nothing moved. The
+        # reactor adds to ``step_s`` at the END of each loop iteration, so a snapshot
+        # taken in the middle of one is followed by another after it.
+        rt = self.reactor.timing
+        sig = (rt["iterations"], rt["step_s"], sum(self.counters.values()),
+               self.timing["main_wait_calls"])
+        now = time.monotonic()
+        if not failed and sig == self._report_sig and now < self._report_due:
+            return failed, {}
+        self._report_sig, self._report_due = sig, now + REPORT_MAX_GAP_S
         delta = {}
         for k, v in self._snapshot().items():
             d = v - self._reported.get(k, 0)

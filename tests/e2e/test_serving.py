@@ -629,3 +629,79 @@ def test_lru_admit_serves_a_loop_over_more_contexts_than_the_dram_tier(reference
     assert st["hits_dram"] >= 6 and st["stores_not_admitted"] > 0, st
     assert st["dram_admission_active"] == 1 and H.cache_files(root) == set()
     assert sum(o["num_cached_tokens"] for _, o in outs[3:]) >= 6 * H.CHUNK
+
+
+def _decode_heavy_run(model_dir: str, root: str, prefilter: bool) -> dict:
+    """8 concurrent 600-token prompts, prefilled in 512-token steps (chunk boundaries are
+    crossed in the middle of prefills), then 200 decode steps (vLLM stores prompts only:
+    ``offload_prompt_only``), on an engine whose store-job builder gets the prefiltered
+    view (``prefilter``) or vLLM's whole batch. Records how many requests vLLM's builder
+    was handed next to how many were scheduled, over all steps, and the keys of the
+    store jobs it built in each step."""
+    with pytest.MonkeyPatch.context() as mp:  # undone before the next run
+        return _decode_heavy_run_patched(mp, model_dir, root, prefilter)
+
+
+def _decode_heavy_run_patched(monkeypatch, model_dir: str, root: str, prefilter: bool) -> dict:
+    from vllm import SamplingParams
+
+    from kvcache_core.vllm import compat
+    from kvcache_core.vllm.connector_scheduler import SchedulerSide
+
+    monkeypatch.setattr(compat, "STORE_JOB_PREFILTER", prefilter)
+    seen = {"scheduled": 0, "handed": 0}
+    view = SchedulerSide.store_view
+
+    def counting_view(self, so):
+        v = view(self, so)
+        seen["scheduled"] += len(so.num_scheduled_tokens)
+        seen["handed"] += len(v.num_scheduled_tokens)
+        return v
+
+    monkeypatch.setattr(SchedulerSide, "store_view", counting_view)
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler as CS,
+    )
+
+    jobs: list[list[tuple[bytes, ...]]] = []  # per step: the keys of each store job built
+    build = CS._build_store_jobs
+
+    def recording_build(self, so):
+        out = build(self, so)
+        jobs.append(sorted(tuple(j.dst_spec.keys) for j in out.values()))
+        return out
+
+    monkeypatch.setattr(CS, "_build_store_jobs", recording_build)
+    prompts = [[(i * 31 + j * 7) % 3900 + 100 for j in range(600)] for i in range(8)]
+    sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=32 * H.FILE_BYTES),
+                     enable_prefix_caching=True, max_num_batched_tokens=512)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        H.drain(llm)
+        stats = H.manager(llm).stats()
+    finally:
+        H.shutdown(llm)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "stats": stats,
+            "files": {os.path.relpath(f, root) for f in H.cache_files(root)}, "jobs": jobs,
+            **seen}
+
+
+def test_store_job_prefilter_stores_the_same_chunks(model_dir, workdir):
+    """vLLM 0.26's store-job builder is handed only the requests whose tokens cross their
+    next chunk boundary in the step (``SchedulerSide.store_view``): the same chunks are
+    stored in the same steps (same store jobs, files and store counters) as when it
+    walks the whole batch every step, and in this decode-heavy batch it sees a small
+    fraction of the scheduled requests (vLLM's walk costs ~4 us a request and step on our
+    CPU machine)."""
+    on = _decode_heavy_run(model_dir, os.path.join(workdir, "root_prefilter_on"), True)
+    off = _decode_heavy_run(model_dir, os.path.join(workdir, "root_prefilter_off"), False)
+    assert on["tokens"] == off["tokens"]
+    # the same store jobs in the same steps (not merely the same chunks by the end)
+    assert on["jobs"] == off["jobs"] and sum(map(len, on["jobs"])) >= 8
+    # 8 prompts x 600 tokens: chunks 0 and 1 of each
+    assert len(on["files"]) == 16 and on["files"] == off["files"]
+    for k in ("stores", "stores_dram"):
+        assert on["stats"].get(k) == off["stats"].get(k) == 16, (k, on["stats"], off["stats"])
+    assert off["handed"] == 0  # without the prefilter vLLM's builder never asks for a view
+    assert on["scheduled"] > 8 * 190 and 8 <= on["handed"] <= on["scheduled"] // 10, on
