@@ -655,6 +655,38 @@ def test_variant_runs_a_py_kvcache_config_with_extra_keys_under_its_own_name(tmp
         tmp_path / "t.md").read_text()
 
 
+def test_twin_variant_is_a_second_server_of_any_configuration(tmp_path):
+    """``--variant NAME=BASE:`` (no keys): a second server of a built-in configuration
+    (its twin), run and reported under NAME, configured exactly as BASE (its own cache
+    root for a py-kvcache base); names must start with ``BASE_``."""
+    args = S.build_parser().parse_args(
+        ["run", "--model", "/m", "--root", str(tmp_path),
+         "--variant", "prefix_cache_b=prefix_cache:", "--variant", "native_cpu_b=native_cpu:",
+         "--variant", "kvcache_b=kvcache:"])
+    args._max_disk_bytes = 0
+    args._variants = {n: (b, kv) for n, b, kv in args.variant}
+    assert S.base_config("native_cpu_b", args._variants) == "native_cpu"
+    assert S.transfer_config("prefix_cache_b", args) is None
+    assert S.transfer_config("native_cpu_b", args) == S.transfer_config("native_cpu", args)
+    twin = S.transfer_config("kvcache_b", args)["kv_connector_extra_config"]
+    base = S.transfer_config("kvcache", args)["kv_connector_extra_config"]
+    assert twin.pop("root_dir") == str(tmp_path / "kvcache_b")
+    base.pop("root_dir")
+    assert twin == base
+    args.work = str(tmp_path / "work")
+    srv = S.Server(args, "native_cpu_b", "/m", "m", 8000)
+    assert srv.base == "native_cpu" and srv.cfg == "native_cpu_b"
+    for bad in ("prefix_cacheb=prefix_cache:", "native_cpu=native_cpu:",
+                "x_b=prefix_cache:", "prefix_cache_b=nothing:"):
+        with pytest.raises(SystemExit):
+            S.build_parser().parse_args(["run", "--model", "/m", "--variant", bad])
+    out = {"model": "m", "machine": "cpu", "n_requests": 1, "rate": 1.0, "cpu_bytes": 1 << 30,
+           "variants": {"prefix_cache_b": {"base": "prefix_cache", "kv_extra": {}}},
+           "results": [{"config": "prefix_cache_b", "mean_ttft_s": 0.1}]}
+    S.write_table(out, str(tmp_path / "t.md"))
+    assert "`prefix_cache_b` = a second `prefix_cache` server" in (tmp_path / "t.md").read_text()
+
+
 def test_table_flags_a_cache_that_stopped_working(tmp_path):
     """A py-kvcache server whose cache died during the replay (its last metrics say
     healthy 0 / reactor_dead) is flagged under the table: its row measured recompute."""

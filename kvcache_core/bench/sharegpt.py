@@ -610,18 +610,27 @@ def base_config(cfg: str, variants: dict[str, tuple[str, list]]) -> str:
 def _variant(text: str) -> tuple[str, str, list[tuple[str, Any]]]:
     """``NAME=BASE:KEY=JSON[;KEY=JSON...]`` of ``--variant``: a py-kvcache configuration
     ``BASE`` with extra config keys, run and reported under ``NAME`` (which must start
-    with ``kvcache`` and not be a built-in configuration name)."""
+    with ``kvcache`` and not be a built-in configuration name). ``NAME=BASE:`` (no keys)
+    is a twin: a second server of any built-in configuration, e.g.
+    ``prefix_cache_b=prefix_cache:`` (``NAME`` starts with ``BASE_``); the spread between
+    a configuration and its twin in the same rounds is what one server's placement and
+    neighbours alone make."""
     from .longdoc import _kv_extra
 
     name, sep, rest = text.partition("=")
     base, sep2, keys = rest.partition(":")
-    if not (sep and sep2 and keys and name.startswith("kvcache") and name not in ALL_CONFIGS
-            and base.startswith("kvcache") and base in ALL_CONFIGS
-            and name.replace("_", "").isalnum()):
+    ok_name = name not in ALL_CONFIGS and name.replace("_", "").isalnum()
+    if sep and sep2 and not keys and ok_name and base in ALL_CONFIGS \
+            and name.startswith(base + "_"):
+        return name, base, []
+    if not (sep and sep2 and keys and name.startswith("kvcache") and ok_name
+            and base.startswith("kvcache") and base in ALL_CONFIGS):
         raise argparse.ArgumentTypeError(
             f"--variant {text!r}: expected NAME=BASE:KEY=JSON[;KEY=JSON], NAME a new "
             "name made of letters, digits and '_' starting with 'kvcache', BASE one of "
-            + ", ".join(c for c in ALL_CONFIGS if c.startswith("kvcache")))
+            + ", ".join(c for c in ALL_CONFIGS if c.startswith("kvcache"))
+            + "; or a twin NAME=BASE: (no keys), NAME starting with BASE_, BASE any of "
+            + ", ".join(ALL_CONFIGS))
     return name, base, [_kv_extra(kv) for kv in keys.split(";") if kv]
 
 
@@ -629,14 +638,14 @@ def transfer_config(cfg: str, args) -> dict | None:
     """The kv-transfer-config of one configuration: the long-document benchmark's,
     with ``--cpu-bytes`` of host memory for native_cpu, native_fs's CPU tier and
     kvcache_dram's DRAM tier alike."""
+    variants = getattr(args, "_variants", None) or {}
+    name, cfg = cfg, base_config(cfg, variants)
     if cfg == BASELINE:
         return None
     if cfg == "lmcache":  # LMCache's own connector; its tiers are set by lmcache_env()
         return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     from .longdoc import transfer_config as longdoc_config
 
-    variants = getattr(args, "_variants", None) or {}
-    name, cfg = cfg, base_config(cfg, variants)
     cfg = "kvcache_dram_gate" if cfg == "kvcache" else cfg
 
     ns = SimpleNamespace(root=args.root, docs=1, staging_bytes=args.staging_bytes,
@@ -938,6 +947,8 @@ class Server:
     def __init__(self, args, cfg: str, model_dir: str, name: str, port: int) -> None:
         self.args, self.cfg, self.model_dir, self.name, self.port = (
             args, cfg, model_dir, name, port)
+        #: the built-in configuration ``cfg`` stands for (itself, or a --variant's base)
+        self.base = base_config(cfg, getattr(args, "_variants", None) or {})
         self.root = os.path.join(args.root, cfg)
         self.stats = os.path.join(args.work, f"{cfg}.stats")
         self.logf = os.path.join(args.work, f"{cfg}.log")
@@ -964,12 +975,12 @@ class Server:
         # internal sockets (torch.distributed's init port: the eleventh session's native_fs
         # server died of EADDRINUSE on 45001): each scans up from its own window
         env["VLLM_PORT"] = str(internal_port_base(self.port))
-        if self.cfg.startswith("kvcache"):
+        if self.base.startswith("kvcache"):
             env["KVCACHE_STATS_FILE"] = self.stats
-        if self.cfg == "lmcache":
+        if self.base == "lmcache":
             os.makedirs(self.root, exist_ok=True)
             env.update(lmcache_env(args, self.root))
-        if self.cfg == "native_fs" and args._max_disk_bytes:
+        if self.base == "native_fs" and args._max_disk_bytes:
             self.janitor = DiskJanitor(self.root, args._max_disk_bytes)
             self.janitor.start()
         cmd = server_cmd(args, self.cfg, self.model_dir, self.name, self.port)
@@ -999,7 +1010,7 @@ class Server:
         log(f"{self.cfg}: server up in {self.start_s:.1f}s; warming up")
         t0 = time.time()
         asyncio.run(_simple_requests(self.port, self.name, 2, seed=1000))
-        if self.cfg.startswith("kvcache"):
+        if self.base.startswith("kvcache"):
             self._counters = read_counters(self.stats, since=t0)
         return True
 
@@ -1024,12 +1035,12 @@ class Server:
             row["error"] = self.error
             log(f"{cfg}: {self.error}; last lines of {self.logf}:\n{_tail(self.logf)}")
         since = None
-        if self.proc.poll() is None and cfg.startswith("kvcache"):
+        if self.proc.poll() is None and self.base.startswith("kvcache"):
             time.sleep(args.settle)  # stores of the last steps finish ...
             since = time.time()
             asyncio.run(_simple_requests(self.port, self.name, 2, seed=2000))  # ... report
         c = read_counters(self.stats, since)
-        if cfg.startswith("kvcache") and self.proc.poll() is None:
+        if self.base.startswith("kvcache") and self.proc.poll() is None:
             # what an operator's Prometheus sees (cumulative since the server started)
             row["metrics"] = scrape_metrics(self.port)
         if c:
@@ -1190,6 +1201,10 @@ def write_table(out: dict, path: str) -> None:
                      + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in out["kv_extra"].items())
                      + ".")
     for n, v in (out.get("variants") or {}).items():
+        if not v["kv_extra"]:
+            notes.append(f"`{n}` = a second `{v['base']}` server (twin: same "
+                         "configuration, its own process).")
+            continue
         notes.append(f"`{n}` = `{v['base']}` with "
                      + ", ".join(f"`{k}={json.dumps(x)}`" for k, x in v["kv_extra"].items())
                      + ".")
@@ -1329,7 +1344,7 @@ def cmd_run(args) -> int:
         raise SystemExit(f"unknown config(s) {bad}; choose from {', '.join(ALL_CONFIGS)} "
                          "or a --variant name")
     bases = [base_config(c, args._variants) for c in configs]
-    if "lmcache" in configs and importlib.util.find_spec("lmcache") is None:
+    if "lmcache" in bases and importlib.util.find_spec("lmcache") is None:
         raise SystemExit("the lmcache configuration needs LMCache installed (pip install "
                          "lmcache==0.5.2; on the GPU machine carry its wheels)")
     if any(c in GATED for c in bases):
@@ -1719,7 +1734,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="NAME=BASE:KEY=JSON[;KEY=JSON]",
                    help="a py-kvcache configuration BASE (e.g. kvcache) with extra config "
                    "keys, run beside the others under NAME (list it in --configs), e.g. "
-                   "kvcache_admit=kvcache:eviction_policy=\"lru-admit\" (repeatable)")
+                   "kvcache_admit=kvcache:eviction_policy=\"lru-admit\"; or, with no keys, a "
+                   "twin: a second server of any configuration, e.g. "
+                   "prefix_cache_b=prefix_cache: (NAME starts with BASE_), whose spread "
+                   "against BASE is what server placement alone makes (repeatable)")
     r.add_argument("--kv-extra", action="append", default=[], metavar="KEY=JSON",
                    type=_kv_extra,
                    help="extra py-kvcache config key for every py-kvcache configuration, "
