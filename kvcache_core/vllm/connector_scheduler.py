@@ -488,8 +488,8 @@ class SchedulerSide:
         """The part of this step's ``scheduler_output`` that vLLM 0.26's store-job builder
         must see (scheduler thread, once per step, inside vLLM's ``build_connector_meta``).
 
-        vLLM's builder walks every scheduled request each step (~4 us each on a
-        decode-heavy batch) although a running request has a new chunk to store only
+        vLLM's builder walks every scheduled request each step (~4 us each on the CPU
+        machine) although a running request has a new chunk to store only
         when its computed tokens cross a chunk boundary (every ``tokens_per_chunk``
         tokens, i.e. once in hundreds of decode steps). Kept: a request whose tokens
         after this step reach past its next unstored chunk in some KV group
