@@ -228,6 +228,10 @@ class SchedulerSide:
         #: vLLM 0.26 (``compat.STORE_JOB_PREFILTER``): vLLM's store-job builder is handed
         #: :meth:`store_view` of each step's output instead of the whole batch
         self._prompt_only: bool = bool(getattr(cs.config, "offload_prompt_only", False))
+        #: tokens per chunk when there is one KV group (the common case: store_view's
+        #: fast path), else None
+        self._single_tpc: int | None = (self.group_configs[0].tokens_per_chunk
+                                        if len(self.group_configs) == 1 else None)
         if compat.STORE_JOB_PREFILTER and hasattr(cs, "_build_store_jobs"):
             build = cs._build_store_jobs  # vLLM's bound method
 
@@ -507,8 +511,7 @@ class SchedulerSide:
         nostore = self.manager.nostore_requests
         prompt_only = self._prompt_only
         groups = self.group_configs
-        one = len(groups) == 1
-        tpc = groups[0].tokens_per_chunk
+        tpc = self._single_tpc
         keep: dict[str, int] = {}
         for rid, n in sched.items():
             st = rs.get(rid)
@@ -518,7 +521,7 @@ class SchedulerSide:
             upto = req.num_computed_tokens + n
             if prompt_only and upto > req.num_prompt_tokens:
                 upto = req.num_prompt_tokens
-            if one:
+            if tpc is not None:
                 due = upto // tpc > st.group_states[0].next_stored_chunk_idx
             else:
                 due = any(upto // g.tokens_per_chunk > s.next_stored_chunk_idx

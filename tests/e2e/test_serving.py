@@ -637,20 +637,18 @@ def _decode_heavy_run(model_dir: str, root: str, prefilter: bool) -> dict:
     ``offload_prompt_only``), on an engine whose store-job builder gets the prefiltered
     view (``prefilter``) or vLLM's whole batch. Records how many requests vLLM's builder
     was handed next to how many were scheduled, over all steps, and the keys of the
-    store jobs it built in each step."""
-    with pytest.MonkeyPatch.context() as mp:  # undone before the next run
-        return _decode_heavy_run_patched(mp, model_dir, root, prefilter)
-
-
-def _decode_heavy_run_patched(monkeypatch, model_dir: str, root: str, prefilter: bool) -> dict:
+    store jobs it built in each step. Its patches are undone before it returns."""
     from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler as CS,
+    )
 
     from kvcache_core.vllm import compat
     from kvcache_core.vllm.connector_scheduler import SchedulerSide
 
-    monkeypatch.setattr(compat, "STORE_JOB_PREFILTER", prefilter)
     seen = {"scheduled": 0, "handed": 0}
-    view = SchedulerSide.store_view
+    jobs: list[list[tuple[bytes, ...]]] = []  # per step: the keys of each store job built
+    view, build = SchedulerSide.store_view, CS._build_store_jobs
 
     def counting_view(self, so):
         v = view(self, so)
@@ -658,30 +656,26 @@ def _decode_heavy_run_patched(monkeypatch, model_dir: str, root: str, prefilter:
         seen["handed"] += len(v.num_scheduled_tokens)
         return v
 
-    monkeypatch.setattr(SchedulerSide, "store_view", counting_view)
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
-        OffloadingConnectorScheduler as CS,
-    )
-
-    jobs: list[list[tuple[bytes, ...]]] = []  # per step: the keys of each store job built
-    build = CS._build_store_jobs
-
     def recording_build(self, so):
         out = build(self, so)
         jobs.append(sorted(tuple(j.dst_spec.keys) for j in out.values()))
         return out
 
-    monkeypatch.setattr(CS, "_build_store_jobs", recording_build)
     prompts = [[(i * 31 + j * 7) % 3900 + 100 for j in range(600)] for i in range(8)]
     sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=32 * H.FILE_BYTES),
-                     enable_prefix_caching=True, max_num_batched_tokens=512)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        H.drain(llm)
-        stats = H.manager(llm).stats()
-    finally:
-        H.shutdown(llm)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compat, "STORE_JOB_PREFILTER", prefilter)
+        mp.setattr(SchedulerSide, "store_view", counting_view)
+        mp.setattr(CS, "_build_store_jobs", recording_build)
+        llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=32 * H.FILE_BYTES),
+                         enable_prefix_caching=True, max_num_batched_tokens=512)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                use_tqdm=False)
+            H.drain(llm)
+            stats = H.manager(llm).stats()
+        finally:
+            H.shutdown(llm)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "stats": stats,
             "files": {os.path.relpath(f, root) for f in H.cache_files(root)}, "jobs": jobs,
             **seen}
