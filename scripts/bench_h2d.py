@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""Host<->device copy bandwidth of the host memory kinds a KV offload can use (GPU machine).
+
+Issue 9 asks why DRAM-tier hits trail vLLM's native CPU offload by 15-20 % at 16k-64k
+tokens. A DRAM hit is one ``swap_blocks_batch`` from host memory into the KV cache, so
+this measures exactly that call, side by side, for:
+
+* ``pool``: py-kvcache's :class:`kvcache_core.staging.StagingPool` (anonymous private
+  mmap, MAP_POPULATE, ``cudaHostRegister``: what the DRAM tier is);
+* ``pool_thp``: the same with ``MADV_HUGEPAGE`` before the pages are populated;
+* ``shm``: vLLM 0.26's native CPU tier (``SharedOffloadRegion``: MAP_SHARED file in
+  /dev/shm, ``MADV_POPULATE_WRITE``, ``cudaHostRegister``);
+* ``torch``: ``torch.empty(pin_memory=True)`` (cudaHostAlloc).
+
+Per kind and descriptor size (py-kvcache's chunk of ``--chunk-bytes`` = one descriptor;
+native's page of chunk / ``--pages-per-chunk``), ``--reps`` rounds interleaved: the time
+the call holds the calling thread (``call_ms``: a copy the driver cannot run
+asynchronously blocks here) and the time to completion (GB/s), H2D and D2H. Medians.
+
+Usage (GPU machine, after ``source /tmp/rt/env.sh``):
+    python scripts/bench_h2d.py --gib 7 --json $RES/h2d.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics as st
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvcache_core.staging import StagingPool  # noqa: E402
+
+
+def _register(t: torch.Tensor) -> None:
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister failed ({rc})")
+
+
+def _populate(mm: mmap.mmap, t: torch.Tensor) -> None:
+    try:
+        mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
+    except OSError:  # kernel < 5.14
+        t.fill_(0)
+
+
+def host_buffers(nbytes: int, slot_bytes: int) -> dict[str, tuple[torch.Tensor, object]]:
+    """name -> (uint8 tensor of nbytes, keep-alive object)."""
+    out: dict[str, tuple[torch.Tensor, object]] = {}
+    n_slots = nbytes // slot_bytes
+    t0 = time.perf_counter()
+    pool = StagingPool(n_slots, slot_bytes, pin=True)
+    out["pool"] = (pool.as_tensor(), pool)
+    print(f"pool: {time.perf_counter() - t0:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    _populate(mm, t)
+    _register(t)
+    out["pool_thp"] = (t, mm)
+    print(f"pool_thp: {time.perf_counter() - t0:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    path = f"/dev/shm/bench_h2d_{os.getpid()}.mmap"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, nbytes)
+    sm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(fd)
+    os.unlink(path)
+    t = torch.frombuffer(sm, dtype=torch.uint8)
+    _populate(sm, t)
+    _register(t)
+    out["shm"] = (t, sm)
+    print(f"shm: {time.perf_counter() - t0:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out["torch"] = (t, None)
+    print(f"torch: {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def thp_share() -> str:
+    try:
+        with open("/proc/meminfo") as f:
+            return " ".join(ln.strip() for ln in f if ln.startswith("AnonHugePages"))
+    except OSError:
+        return "?"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=7.0, help="bytes moved per copy (GiB)")
+    ap.add_argument("--chunk-bytes", type=int, default=29360128,
+                    help="py-kvcache chunk payload (3B: 256 tokens = 28 MiB)")
+    ap.add_argument("--pages-per-chunk", type=int, default=16,
+                    help="GPU blocks per chunk (native copies one descriptor per block)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    from vllm import _custom_ops as ops
+
+    dev = torch.device("cuda", 0)
+    chunk = a.chunk_bytes
+    n_chunks = int(a.gib * (1 << 30)) // chunk
+    nbytes = n_chunks * chunk
+    slot = chunk + 4096  # header + payload, like a py-kvcache slot
+    hosts = host_buffers(n_chunks * slot, slot)
+    print(thp_share(), flush=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    gbase = gpu.data_ptr()
+    # GPU destinations in a shuffled chunk order (a real KV cache's blocks are not in order)
+    rng = np.random.default_rng(0)
+    gorder = rng.permutation(n_chunks).astype(np.int64)
+    stream = torch.cuda.Stream(dev)
+    results: dict[str, dict[str, list[float]]] = {}
+    descs = {"chunk": 1, "page": a.pages_per_chunk}
+    for rep in range(a.reps):
+        for name, (host, _keep) in hosts.items():
+            hbase = host.data_ptr()
+            for dname, per in descs.items():
+                size = chunk // per
+                h = (hbase + 4096 + np.arange(n_chunks, dtype=np.int64)[:, None] * slot
+                     + np.arange(per, dtype=np.int64)[None, :] * size).ravel()
+                g = (gbase + gorder[:, None] * chunk
+                     + np.arange(per, dtype=np.int64)[None, :] * size).ravel()
+                sizes = torch.full((n_chunks * per,), size, dtype=torch.int64)
+                for direction in ("h2d", "d2h"):
+                    src, dst = (h, g) if direction == "h2d" else (g, h)
+                    s_t, d_t = torch.from_numpy(src.copy()), torch.from_numpy(dst.copy())
+                    torch.cuda.synchronize(dev)
+                    with torch.cuda.stream(stream):
+                        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+                        e0.record(stream)
+                        t0 = time.perf_counter()
+                        ops.swap_blocks_batch(s_t, d_t, sizes,
+                                              is_src_access_order_any=direction == "h2d")
+                        t1 = time.perf_counter()
+                        e1.record(stream)
+                    e1.synchronize()
+                    t2 = time.perf_counter()
+                    key = f"{name}/{dname}/{direction}"
+                    r = results.setdefault(key, {"call_ms": [], "gbps": [], "wall_gbps": []})
+                    r["call_ms"].append((t1 - t0) * 1e3)
+                    r["gbps"].append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
+                    r["wall_gbps"].append(nbytes / (t2 - t0) / 1e9)
+        print(f"round {rep + 1}/{a.reps} done", flush=True)
+    rows = []
+    for key, r in results.items():
+        name, dname, direction = key.split("/")
+        rows.append({"host": name, "descriptor": dname, "direction": direction,
+                     "descriptors": n_chunks * descs[dname],
+                     "descriptor_bytes": chunk // descs[dname],
+                     "call_ms": st.median(r["call_ms"]), "gbps": st.median(r["gbps"]),
+                     "wall_gbps": st.median(r["wall_gbps"]), "rounds": r})
+    doc = {"machine": torch.cuda.get_device_name(dev), "bytes": nbytes, "reps": a.reps,
+           "anon_huge_pages": thp_share(), "rows": rows}
+    with open(a.json, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"{'host':9} {'desc':6} {'dir':4} {'n':>6} {'call ms':>8} {'GB/s':>6} {'wall':>6}")
+    for r in rows:
+        print(f"{r['host']:9} {r['descriptor']:6} {r['direction']:4} {r['descriptors']:6d} "
+              f"{r['call_ms']:8.1f} {r['gbps']:6.1f} {r['wall_gbps']:6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
