@@ -57,6 +57,8 @@ def window(events: list, times: list[float], t0: float, t1: float) -> dict[str, 
             fwd_t = None
         elif ev == "direct_done":  # a DRAM hit copied by the worker thread
             counts["direct_done_ms"] = (t - t0) * 1e3
+        elif ev == "direct_issued":  # how long issuing that copy held the worker thread
+            counts["direct_issue_ms"] = max(counts["direct_issue_ms"], n / 1e3)
         elif ev == "write_done":
             counts["written_mb"] += n / 2**20
     counts["last_store_done_before_token_ms"] = (
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: {len(reqs)} requests, {len(events)} reactor events")
         print(f"{'request':>16} {'tokens':>7} {'ttft ms':>9} {'stores':>6} {'copied':>6} "
               f"{'st done':>7} {'loads':>5} {'ld done':>7} {'last st->tok ms':>15} "
-              f"{'steps':>5} {'launch ms':>9} {'max':>6} {'1st fwd ms':>10} {'wr MB':>7}")
+              f"{'steps':>5} {'launch ms':>9} {'max':>6} {'1st fwd ms':>10} {'wr MB':>7} "
+              f"{'issue ms':>8}")
         for rid, n_tok, t0, t1 in reqs:
             w = window(events, times, t0, t1)
             row = {"engine": name, "request": rid, "tokens": n_tok, "ttft_ms": (t1 - t0) * 1e3,
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{w['last_store_done_before_token_ms']:>15.1f} {w.get('fwd_start', 0):>5} "
                   f"{w.get('launch_ms', 0):>9.1f} {w.get('launch_max_ms', 0):>6.1f} "
                   f"{w.get('first_fwd_after_submit_ms', -1):>10.1f} "
-                  f"{w.get('written_mb', 0):>7.0f}")
+                  f"{w.get('written_mb', 0):>7.0f} {w.get('direct_issue_ms', 0):>8.1f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

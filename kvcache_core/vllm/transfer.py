@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -280,6 +281,10 @@ class KVCopier(Copier):
         self.n_staging = n_staging
         self.slot_bytes = pool.slot_bytes
         self.header_failures = 0
+        #: :meth:`load_direct`'s time on the calling (model-runner) thread, seconds:
+        #: [slot header checks, descriptor build, copy issue (the swap call), longest issue].
+        #: A copy issue that lasts as long as the copy says the driver ran it synchronously.
+        self.direct_timing = [0.0, 0.0, 0.0, 0.0]
         self._b_refs: list[ChunkRef] = []  # per-batch scratch lists (reactor thread)
         self._b_bases: list[int] = []
         self._pool_t = pool.as_tensor()
@@ -330,6 +335,7 @@ class KVCopier(Copier):
         chunk is marked ``ref.failed`` and skipped. Returns a handle for :meth:`done` /
         :meth:`sync` (None when nothing was issued or the copy was synchronous)."""
         sb = self.slot_bytes
+        t0 = time.perf_counter()
         good, bases = [], []
         for slot, ref in zip(slots, refs, strict=True):
             if not self._slot_valid(slot, ref.key, self.g.payload_bytes(ref.group)):
@@ -339,8 +345,18 @@ class KVCopier(Copier):
             bases.append(slot * sb + HEADER_BYTES)
         if not good:
             return None
-        return self._run(self.g.batch_ops(good, bases), to_device=True, after=None, slot=-1,
-                         direct=True)
+        t1 = time.perf_counter()
+        ops = self.g.batch_ops(good, bases)
+        t2 = time.perf_counter()
+        h = self._run(ops, to_device=True, after=None, slot=-1, direct=True)
+        t3 = time.perf_counter()
+        dt = self.direct_timing
+        dt[0] += t1 - t0
+        dt[1] += t2 - t1
+        dt[2] += t3 - t2
+        if t3 - t2 > dt[3]:
+            dt[3] = t3 - t2
+        return h
 
     def sync_all(self) -> None:
         """Block until every device copy issued so far is done (any thread; the stall

@@ -234,7 +234,10 @@ class PyKVCacheWorker(OffloadingWorker):
             self.reactor.note_foreground()
             self.reactor.trace_event("direct_load", job_id, len(refs))
             self._direct[job_id] = self.copier.load_direct(slots, refs)
-            self.timing["main_submit_load_s"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.timing["main_submit_load_s"] += dt
+            if self.reactor.trace is not None:  # diagnostics: how long the issue held us
+                self.reactor.trace_event("direct_issued", job_id, int(dt * 1e6))
             return True
         items = []
         for ref, slot, flag in zip(refs, src_spec.dram_slots, src_spec.flags, strict=True):
@@ -542,6 +545,15 @@ class PyKVCacheWorker(OffloadingWorker):
         """Cumulative counters of this worker plus the reactor's snapshot."""
         return {**self._snapshot(), "reactor": self.reactor.snapshot()}
 
+    def _direct_timing(self) -> dict[str, float]:
+        """The copier's :meth:`~kvcache_core.vllm.transfer.KVCopier.load_direct` phases
+        (model-runner thread seconds), for the exported timing."""
+        dt = getattr(self.copier, "direct_timing", None)
+        if not dt:
+            return {}
+        return {"direct_validate_s": dt[0], "direct_ops_s": dt[1], "direct_issue_s": dt[2],
+                "direct_issue_max_s": dt[3]}
+
     def _export(self, snap: dict[str, int]) -> None:
         """Append this worker's final counters and staging high-water mark as one JSON line
         to ``$KVCACHE_STATS_FILE.workers.jsonl`` (benchmarks read it)."""
@@ -552,7 +564,7 @@ class PyKVCacheWorker(OffloadingWorker):
         line = {**snap, "rank": self.rank, "peak_staging_bytes": r.alloc.peak_busy * r.slot_bytes,
                 "staging_budget_bytes": r.n_staging * r.slot_bytes,
                 "pool_bytes": r.pool.nbytes if r.pool.views else 0, "engine": r.engine.name,
-                "direct_io": r.direct, "timing": dict(self.timing),
+                "direct_io": r.direct, "timing": {**self.timing, **self._direct_timing()},
                 "reactor_timing": dict(r.timing)}
         try:
             with open(f"{path}.workers.jsonl", "a") as f:

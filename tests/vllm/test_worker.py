@@ -129,6 +129,14 @@ def test_worker_store_load_dram_and_disk(worker):
     assert {k: len(v) for k, v in obs.items()} == {"store": 3, "load_disk": 2,
                                                    "load_dram": 2}
     assert all(x > 0 for v in obs.values() for x in v) and w.take_observations() == {}
+    # the direct path's time on this thread, by phase (exported with the worker timing)
+    dt = w._direct_timing()
+    assert set(dt) == {"direct_validate_s", "direct_ops_s", "direct_issue_s",
+                       "direct_issue_max_s"}
+    assert all(v > 0 for v in dt.values()), dt
+    assert dt["direct_issue_max_s"] <= dt["direct_issue_s"]
+    assert sum(dt[k] for k in ("direct_validate_s", "direct_ops_s", "direct_issue_s")) \
+        <= w.timing["main_submit_load_s"]
 
 
 def test_worker_dram_only_chunk_fills_its_slot_and_writes_no_file(worker):
