@@ -166,6 +166,11 @@ class Completion:
 
 #: Most events kept by a reactor's diagnostic trace.
 TRACE_MAX = 1_000_000
+#: Diagnostic trace only: a probe thread sleeps this long, again and again, and records
+#: ``gil_late`` (microseconds) when it resumes more than GIL_LATE_S after it should have:
+#: the time it waited for the GIL, i.e. some thread held it that long.
+GIL_PROBE_S = 0.001
+GIL_LATE_S = 0.003
 #: Longest kernel wait while only store copies are in flight (see ``_run``).
 STORE_POLL_S = 0.001
 #: The same with ``store_copy_wait="block"``: a waiter thread wakes the reactor when a
@@ -444,6 +449,9 @@ class Reactor(LoadRouting):
         self._running = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        if self.trace is not None:
+            threading.Thread(target=self._gil_probe, name=f"{name}-gil-probe",
+                             daemon=True).start()
         self._waiter: threading.Thread | None = None
         if self._waitq is not None:
             self._waiter = threading.Thread(target=self._wait_store_copies,
@@ -1397,6 +1405,18 @@ class Reactor(LoadRouting):
         tracing is off). The vLLM worker marks its engine steps with it."""
         if self.trace is not None:
             self._trace(event, req_id, n)
+
+    def _gil_probe(self) -> None:
+        """Diagnostic trace only (its own thread, while the reactor runs): a 1 ms sleep
+        that resumes late means the GIL was held by another thread (vLLM's engine thread,
+        the reactor, a C extension that keeps it) for about that long."""
+        mono, sleep = time.monotonic, time.sleep
+        while self._running:
+            t = mono()
+            sleep(GIL_PROBE_S)
+            late = mono() - t - GIL_PROBE_S
+            if late > GIL_LATE_S:
+                self._trace("gil_late", None, int(late * 1e6))
 
     def _trace(self, event: str, req_id: Any, n: int) -> None:
         tr = self.trace

@@ -1012,3 +1012,43 @@ def test_publish_over_the_bound_counts_a_capacity_drop(make_layout, make_reactor
     assert finish(r)["store"].ok == [False, False]
     assert r.stats.stores_dropped_capacity == 2 and r.stats.stores_dropped_enospc == 0
     assert list_files(lay.base) == ([], [])
+
+
+def test_trace_gil_probe_sees_a_long_gil_hold_and_the_report_shows_it(make_layout,
+                                                                     make_reactor, tmp_path):
+    """With the diagnostic trace on, a probe thread records ``gil_late`` when another
+    thread keeps the GIL (here a C loop, ``sum`` over a range, that never hands it over);
+    with the trace off there is no probe. ``scripts/trace_report.py`` puts the longest
+    wait inside a request's window in its ``GIL wait`` column."""
+    import json
+
+    lay = make_layout()
+    r = make_reactor(lay, trace=True)
+    assert any(t.name.endswith("-gil-probe") for t in threading.enumerate())
+    time.sleep(0.02)
+    t0 = time.monotonic()
+    held = 0.0
+    while held < 0.06:  # one C call of >= 60 ms (longer on a slower machine)
+        a = time.monotonic()
+        sum(range(3_000_000))
+        held = time.monotonic() - a
+    time.sleep(0.02)
+    t1 = time.monotonic()
+    r.trace_event("direct_issued", 7, 1234)
+    late = [e for e in r.trace if e[1] == "gil_late"]
+    assert late and max(e[3] for e in late) >= 0.5 * held * 1e6, (late, held)
+    d = tmp_path / "trace"
+    d.mkdir()
+    (d / "x.requests.json").write_text(json.dumps([["req", 16, t0, time.monotonic()]]))
+    (d / "x.r0.json").write_text(json.dumps([list(e) for e in r.trace]))
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "trace_report.py"),
+                          str(d), "--json", str(tmp_path / "rows.json")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "GIL wait" in out and "issue ms" in out, out
+    row = json.loads((tmp_path / "rows.json").read_text())[0]
+    assert row["gil_late_max_ms"] >= 0.5 * held * 1e3 and row["direct_issue_ms"] == 1.234
+    assert t1 > t0
+    r2 = make_reactor(lay)
+    assert r2.trace is None
+    names = [t.name for t in threading.enumerate() if t.name.endswith("-gil-probe")]
+    assert len(names) == 1, names  # only the traced reactor's
