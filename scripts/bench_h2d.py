@@ -17,8 +17,13 @@ native's page of chunk / ``--pages-per-chunk``), ``--reps`` rounds interleaved: 
 the call holds the calling thread (``call_ms``: a copy the driver cannot run
 asynchronously blocks here) and the time to completion (GB/s), H2D and D2H. Medians.
 
+With ``--writeback-dir DIR`` the H2D chunk copies of ``pool`` and ``shm`` are measured a
+second time (condition ``writeback``) while a thread writes slots of the same host memory
+to files in DIR with O_DIRECT, back to back: the DRAM tier's background write-back during
+a DRAM hit (the eighteenth session saw slow hits only while write-back was running).
+
 Usage (GPU machine, after ``source /tmp/rt/env.sh``):
-    python scripts/bench_h2d.py --gib 7 --json $RES/h2d.json
+    python scripts/bench_h2d.py --gib 7 --writeback-dir /tmp/h2dwb --json $RES/h2d.json
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import mmap
 import os
 import statistics as st
 import sys
+import threading
 import time
 
 import numpy as np
@@ -88,6 +94,44 @@ def host_buffers(nbytes: int, slot_bytes: int) -> dict[str, tuple[torch.Tensor, 
     return out
 
 
+class Writer:
+    """Writes slots of ``host`` (uint8 tensor over page-aligned memory) to 4 files in
+    ``d`` with O_DIRECT, back to back, on its own thread (os.pwrite releases the GIL),
+    until :meth:`stop`. ``written`` counts bytes."""
+
+    def __init__(self, host: torch.Tensor, slot: int, n_slots: int, d: str) -> None:
+        os.makedirs(d, exist_ok=True)
+        self.fds = [_open_direct(os.path.join(d, f"wb{i}")) for i in range(4)]
+        self.mv = memoryview(host.numpy())
+        self.slot, self.n = slot, n_slots
+        self.written = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            off = (i % self.n) * self.slot
+            self.written += os.pwrite(self.fds[i % 4], self.mv[off:off + self.slot], 0)
+            i += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+        for fd in self.fds:
+            os.close(fd)
+
+
+def _open_direct(path: str) -> int:
+    """O_DIRECT where the filesystem takes it (the DRAM tier's files are), else buffered."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        return os.open(path, flags, 0o600)
+
+
 def thp_share() -> str:
     try:
         with open("/proc/meminfo") as f:
@@ -104,6 +148,8 @@ def main() -> int:
     ap.add_argument("--pages-per-chunk", type=int, default=16,
                     help="GPU blocks per chunk (native copies one descriptor per block)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--writeback-dir", help="also measure H2D while slots of the same host "
+                    "memory are written to files here with O_DIRECT (condition 'writeback')")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     from vllm import _custom_ops as ops
@@ -123,52 +169,75 @@ def main() -> int:
     stream = torch.cuda.Stream(dev)
     results: dict[str, dict[str, list[float]]] = {}
     descs = {"chunk": 1, "page": a.pages_per_chunk}
+    conds = ["idle"] + (["writeback"] if a.writeback_dir else [])
+    wb_rates: list[float] = []
     for rep in range(a.reps):
-        for name, (host, _keep) in hosts.items():
-            hbase = host.data_ptr()
-            for dname, per in descs.items():
-                size = chunk // per
-                h = (hbase + 4096 + np.arange(n_chunks, dtype=np.int64)[:, None] * slot
-                     + np.arange(per, dtype=np.int64)[None, :] * size).ravel()
-                g = (gbase + gorder[:, None] * chunk
-                     + np.arange(per, dtype=np.int64)[None, :] * size).ravel()
-                sizes = torch.full((n_chunks * per,), size, dtype=torch.int64)
-                for direction in ("h2d", "d2h"):
-                    src, dst = (h, g) if direction == "h2d" else (g, h)
-                    s_t, d_t = torch.from_numpy(src.copy()), torch.from_numpy(dst.copy())
-                    torch.cuda.synchronize(dev)
-                    with torch.cuda.stream(stream):
-                        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-                        e0.record(stream)
-                        t0 = time.perf_counter()
-                        ops.swap_blocks_batch(s_t, d_t, sizes,
-                                              is_src_access_order_any=direction == "h2d")
-                        t1 = time.perf_counter()
-                        e1.record(stream)
-                    e1.synchronize()
-                    t2 = time.perf_counter()
-                    key = f"{name}/{dname}/{direction}"
-                    r = results.setdefault(key, {"call_ms": [], "gbps": [], "wall_gbps": []})
-                    r["call_ms"].append((t1 - t0) * 1e3)
-                    r["gbps"].append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
-                    r["wall_gbps"].append(nbytes / (t2 - t0) / 1e9)
+        for cond in conds:
+            for name, (host, _keep) in hosts.items():
+                if cond == "writeback" and name not in ("pool", "shm"):
+                    continue
+                writer = (Writer(host, slot, n_chunks, a.writeback_dir)
+                          if cond == "writeback" else None)
+                tw = time.perf_counter()
+                if writer is not None:
+                    time.sleep(0.05)  # the writes are under way before the copy starts
+                hbase = host.data_ptr()
+                for dname, per in descs.items():
+                    if cond == "writeback" and dname != "chunk":
+                        continue
+                    size = chunk // per
+                    h = (hbase + 4096 + np.arange(n_chunks, dtype=np.int64)[:, None] * slot
+                         + np.arange(per, dtype=np.int64)[None, :] * size).ravel()
+                    g = (gbase + gorder[:, None] * chunk
+                         + np.arange(per, dtype=np.int64)[None, :] * size).ravel()
+                    sizes = torch.full((n_chunks * per,), size, dtype=torch.int64)
+                    for direction in ("h2d", "d2h"):
+                        if cond == "writeback" and direction != "h2d":
+                            continue
+                        src, dst = (h, g) if direction == "h2d" else (g, h)
+                        s_t, d_t = torch.from_numpy(src.copy()), torch.from_numpy(dst.copy())
+                        torch.cuda.synchronize(dev)
+                        with torch.cuda.stream(stream):
+                            e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+                            e0.record(stream)
+                            t0 = time.perf_counter()
+                            ops.swap_blocks_batch(s_t, d_t, sizes,
+                                                  is_src_access_order_any=direction == "h2d")
+                            t1 = time.perf_counter()
+                            e1.record(stream)
+                        e1.synchronize()
+                        t2 = time.perf_counter()
+                        key = f"{name}/{dname}/{direction}/{cond}"
+                        r = results.setdefault(key, {"call_ms": [], "gbps": [], "wall_gbps": []})
+                        r["call_ms"].append((t1 - t0) * 1e3)
+                        r["gbps"].append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
+                        r["wall_gbps"].append(nbytes / (t2 - t0) / 1e9)
+                if writer is not None:
+                    writer.stop()
+                    wb_rates.append(writer.written / (time.perf_counter() - tw) / 1e9)
         print(f"round {rep + 1}/{a.reps} done", flush=True)
     rows = []
     for key, r in results.items():
-        name, dname, direction = key.split("/")
+        name, dname, direction, cond = key.split("/")
         rows.append({"host": name, "descriptor": dname, "direction": direction,
+                     "condition": cond,
                      "descriptors": n_chunks * descs[dname],
                      "descriptor_bytes": chunk // descs[dname],
                      "call_ms": st.median(r["call_ms"]), "gbps": st.median(r["gbps"]),
                      "wall_gbps": st.median(r["wall_gbps"]), "rounds": r})
     doc = {"machine": torch.cuda.get_device_name(dev), "bytes": nbytes, "reps": a.reps,
-           "anon_huge_pages": thp_share(), "rows": rows}
+           "anon_huge_pages": thp_share(), "rows": rows,
+           "writeback_gbps": st.median(wb_rates) if wb_rates else None}
     with open(a.json, "w") as f:
         json.dump(doc, f, indent=1)
-    print(f"{'host':9} {'desc':6} {'dir':4} {'n':>6} {'call ms':>8} {'GB/s':>6} {'wall':>6}")
+    print(f"{'host':9} {'desc':6} {'dir':4} {'condition':9} {'n':>6} {'call ms':>8} "
+          f"{'GB/s':>6} {'wall':>6}")
     for r in rows:
-        print(f"{r['host']:9} {r['descriptor']:6} {r['direction']:4} {r['descriptors']:6d} "
-              f"{r['call_ms']:8.1f} {r['gbps']:6.1f} {r['wall_gbps']:6.1f}")
+        print(f"{r['host']:9} {r['descriptor']:6} {r['direction']:4} {r['condition']:9} "
+              f"{r['descriptors']:6d} {r['call_ms']:8.1f} {r['gbps']:6.1f} "
+              f"{r['wall_gbps']:6.1f}")
+    if wb_rates:
+        print(f"write-back meanwhile: {st.median(wb_rates):.2f} GB/s (median)")
     return 0
 
 
