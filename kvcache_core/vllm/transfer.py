@@ -160,6 +160,11 @@ class KVGeometry:
                 continue
             skip = int(bidx) % bpc
             ids = block_ids[g_off:g_off + gsize]
+            # one range check per group (every chunk's ids are a slice of these)
+            limit = min(self.num_blocks[t] for t in self.groups[g].tensor_idx)
+            if len(ids) and (ids.min() < 0 or ids.max() >= limit):
+                raise ValueError(f"GPU block id out of range in group {g}: "
+                                 f"{ids.min()}..{ids.max()}, {limit} blocks")
             pos = 0
             first = True
             while pos < gsize:
@@ -179,11 +184,6 @@ class KVGeometry:
         if k != len(keys) or g_off != len(block_ids):
             raise ValueError(f"GPU spec ({len(block_ids)} blocks, {k} chunks) does not match "
                              f"{len(keys)} keys")
-        for ref in refs:
-            if len(ref.gpu_ids) and (ref.gpu_ids.min() < 0 or ref.gpu_ids.max() >=
-                                     min(self.num_blocks[t] for t in
-                                         self.groups[ref.group].tensor_idx)):
-                raise ValueError(f"GPU block id out of range in {ref}")
         return refs
 
     def ops(self, ref: ChunkRef, slot_base: int) -> tuple[np.ndarray, ...]:

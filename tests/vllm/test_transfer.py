@@ -122,5 +122,8 @@ def test_split_rejects_inconsistent_specs(vllm_available):
         g.split(GPULoadStoreSpec([1, 2, 3], [3], [0]), [key(1)])  # needs 2 chunks
     with pytest.raises(ValueError):
         g.split(GPULoadStoreSpec([1, 2], [2], [0]), [key(1, group=1)])  # wrong group
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="out of range"):
         g.split(GPULoadStoreSpec([1, 99], [2], [0]), [key(1)])  # block out of range
+    with pytest.raises(ValueError, match="out of range"):
+        g.split(GPULoadStoreSpec([1, 2, -1, 3], [4], [0]), [key(1), key(2)])  # negative
+    assert len(g.split(GPULoadStoreSpec([1, 2, 63, 0], [4], [0]), [key(1), key(2)])) == 2
