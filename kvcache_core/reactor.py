@@ -45,7 +45,9 @@ recompute, nothing waits forever.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno as _errno
+import gc
 import logging
 import os
 import queue
@@ -449,9 +451,13 @@ class Reactor(LoadRouting):
         self._running = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self._gc_cb: Callable[[str, dict], None] | None = None
+        self._gc_t0: float | None = None
         if self.trace is not None:
             threading.Thread(target=self._gil_probe, name=f"{name}-gil-probe",
                              daemon=True).start()
+            self._gc_cb = self._gc_trace
+            gc.callbacks.append(self._gc_cb)
         self._waiter: threading.Thread | None = None
         if self._waitq is not None:
             self._waiter = threading.Thread(target=self._wait_store_copies,
@@ -569,6 +575,10 @@ class Reactor(LoadRouting):
             return
         self.wait(timeout=60)
         self._running = False
+        if self._gc_cb is not None:
+            with contextlib.suppress(ValueError):
+                gc.callbacks.remove(self._gc_cb)
+            self._gc_cb = None
         self.engine.wake()
         self._thread.join(timeout=30)
         if self._waiter is not None:
@@ -1405,6 +1415,17 @@ class Reactor(LoadRouting):
         tracing is off). The vLLM worker marks its engine steps with it."""
         if self.trace is not None:
             self._trace(event, req_id, n)
+
+    def _gc_trace(self, phase: str, info: dict) -> None:
+        """Diagnostic trace only (``gc.callbacks``, in whichever thread collects): each
+        garbage collection as a ``gc`` event, request id = generation, n = microseconds
+        (the collecting thread holds the GIL throughout)."""
+        if phase == "start":
+            self._gc_t0 = time.monotonic()
+        elif self._gc_t0 is not None:
+            self._trace("gc", info.get("generation"),
+                        int((time.monotonic() - self._gc_t0) * 1e6))
+            self._gc_t0 = None
 
     def _gil_probe(self) -> None:
         """Diagnostic trace only (its own thread, while the reactor runs): a 1 ms sleep

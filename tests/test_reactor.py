@@ -1034,6 +1034,11 @@ def test_trace_gil_probe_sees_a_long_gil_hold_and_the_report_shows_it(make_layou
         held = time.monotonic() - a
     time.sleep(0.02)
     r.trace_event("direct_issued", 7, 1234)
+    import gc
+
+    gc.collect(2)
+    gcs = [e for e in r.trace if e[1] == "gc"]
+    assert gcs and gcs[-1][2] == 2 and gcs[-1][3] >= 0, gcs  # generation, microseconds
     late = [e for e in r.trace if e[1] == "gil_late"]
     assert late and max(e[3] for e in late) >= 0.5 * held * 1e6, (late, held)
     d = tmp_path / "trace"
@@ -1043,7 +1048,7 @@ def test_trace_gil_probe_sees_a_long_gil_hold_and_the_report_shows_it(make_layou
     out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "trace_report.py"),
                           str(d), "--json", str(tmp_path / "rows.json")],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    assert "GIL wait" in out and "issue ms" in out, out
+    assert "GIL wait" in out and "issue ms" in out and "gc ms" in out, out
     row = json.loads((tmp_path / "rows.json").read_text())[0]
     assert row["gil_late_max_ms"] >= 0.5 * held * 1e3 and row["direct_issue_ms"] == 1.234
 
@@ -1053,5 +1058,8 @@ def test_trace_gil_probe_sees_a_long_gil_hold_and_the_report_shows_it(make_layou
     before = probes()
     r2 = make_reactor(lay)
     assert r2.trace is None and probes() == before  # no trace, no probe
+    cb = r._gc_cb
+    assert cb in gc.callbacks
     close_reactor(r)
     assert wait_until(lambda: probes() <= before - 1)  # the probe ends with its reactor
+    assert cb not in gc.callbacks  # and so does the gc callback
