@@ -253,11 +253,13 @@ class KVGeometry:
 class _CudaHandle:
     """A submitted copy: its completion event and the pointer tensors it must outlive."""
 
-    __slots__ = ("event", "keep")
+    __slots__ = ("event", "keep", "start")
 
-    def __init__(self, event: Any, keep: Any) -> None:
+    def __init__(self, event: Any, keep: Any, start: Any = None) -> None:
         self.event = event
         self.keep = keep
+        #: timing event recorded just before the copy (``KVCopier.time_direct`` only)
+        self.start = start
 
 
 class KVCopier(Copier):
@@ -285,6 +287,9 @@ class KVCopier(Copier):
         #: [slot header checks, descriptor build, copy issue (the swap call), longest issue].
         #: A copy issue that lasts as long as the copy says the driver ran it synchronously.
         self.direct_timing = [0.0, 0.0, 0.0, 0.0]
+        #: diagnostics (set by the worker when the trace is on): :meth:`load_direct`'s
+        #: copies carry timing events, read back with :meth:`copy_ms`
+        self.time_direct = False
         self._b_refs: list[ChunkRef] = []  # per-batch scratch lists (reactor thread)
         self._b_bases: list[int] = []
         self._pool_t = pool.as_tensor()
@@ -358,6 +363,13 @@ class KVCopier(Copier):
             dt[3] = t3 - t2
         return h
 
+    def copy_ms(self, handle: Any) -> float | None:
+        """GPU time of a finished :meth:`load_direct` copy (ms), when it was issued with
+        ``time_direct`` on; else None (also on the CPU platform)."""
+        if handle is None or getattr(handle, "start", None) is None:
+            return None
+        return float(handle.start.elapsed_time(handle.event))  # pragma: no cover - CUDA
+
     def sync_all(self) -> None:
         """Block until every device copy issued so far is done (any thread; the stall
         watchdog, before it reports the jobs of a stuck reactor as failed)."""
@@ -428,7 +440,8 @@ class KVCopier(Copier):
         if self._cx is not None:
             return self._cx.run(ops, to_device=to_device, after=after, slot=slot,
                                 direct=direct,
-                                blocking=self.blocking_store_events and not to_device)
+                                blocking=self.blocking_store_events and not to_device,
+                                timed=direct and self.time_direct)
         tix, kvo, plo, szs = (a.tolist() for a in ops)
         kv, pool = self._cpu
         if to_device:
@@ -487,19 +500,23 @@ class _CudaExec:
             self._tls.bound = True
 
     def run(self, ops: tuple[np.ndarray, ...], *, to_device: bool, after: Any,
-            slot: int, direct: bool = False,
-            blocking: bool = False) -> _CudaHandle:  # pragma: no cover - needs CUDA
+            slot: int, direct: bool = False, blocking: bool = False,
+            timed: bool = False) -> _CudaHandle:  # pragma: no cover - needs CUDA
         tix, kvo, plo, szs = ops
         self.bind()
         stream = (self.direct_stream if direct else self.load_stream if to_device
                   else self.store_streams[slot % len(self.store_streams)])
         keep: Any = None
+        start: Any = None
         with torch.cuda.device(self.dev), torch.cuda.stream(stream):
             if isinstance(after, list):
                 for ev in after:
                     stream.wait_event(ev)
             elif after is not None:
                 stream.wait_event(after)
+            if timed:  # diagnostics: the copy's GPU time (KVCopier.copy_ms)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
             if self.swap is not None:
                 kv_ptr = torch.from_numpy(self.kv_base[tix] + kvo)
                 pool_ptr = torch.from_numpy(self.pool_base + plo)
@@ -517,6 +534,7 @@ class _CudaExec:
                         pool[p:p + n].copy_(kv[t][k:k + n], non_blocking=True)
             # blocking: a thread that synchronizes on it sleeps instead of spinning (the
             # reactor's store-copy waiter, store_copy_wait="block")
-            ev = torch.cuda.Event(blocking=blocking)
+            ev = (torch.cuda.Event(enable_timing=True) if timed
+                  else torch.cuda.Event(blocking=blocking))
             ev.record(stream)
-        return _CudaHandle(ev, keep)
+        return _CudaHandle(ev, keep, start)

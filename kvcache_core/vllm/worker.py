@@ -135,9 +135,12 @@ class PyKVCacheWorker(OffloadingWorker):
         #: the reactor thread counts as stuck when it has work and its loop has not turned
         #: for this long (2 x io_timeout_s; 0: no watchdog); see :meth:`_watchdog`
         self.watchdog_s = 2.0 * storage.io_timeout_s
-        #: the reactor's copier; :meth:`KVCopier.load_direct` is its one method that this
-        #: (model-runner) thread may call
+        #: the reactor's copier; :meth:`KVCopier.load_direct` (with ``done``, ``sync``,
+        #: ``fence`` and ``copy_ms`` on its handles) is what this (model-runner) thread
+        #: may call
         self.copier: KVCopier = self.reactor.copier  # type: ignore[assignment]
+        if self.reactor.trace is not None and hasattr(self.copier, "time_direct"):
+            self.copier.time_direct = True  # diagnostics: DRAM-hit copies' GPU time
         #: load jobs served entirely from the DRAM tier: job id -> copy handle
         self._direct: dict[int, Any] = {}
         #: synchronous load jobs (``dram_load_sync``) not yet finished, and the finished
@@ -349,8 +352,12 @@ class PyKVCacheWorker(OffloadingWorker):
         """Finish the direct DRAM-hit jobs whose device copy is done (worker thread)."""
         done = [j for j, h in self._direct.items() if self.copier.done(h)]
         for j in done:
-            del self._direct[j]
+            h = self._direct.pop(j)
             self.reactor.trace_event("direct_done", j)
+            if self.reactor.trace is not None:  # diagnostics: the copy's own GPU time
+                ms = self.copier.copy_ms(h)
+                if ms is not None:
+                    self.reactor.trace_event("direct_copy", j, int(ms * 1e3))
             job = self._jobs.pop(j)
             self._load_done(job, None)
             dt = time.perf_counter() - job.t0

@@ -418,3 +418,29 @@ def test_store_copy_wait_reaches_the_reactor(tmp_path, vllm_available):
         assert w.reactor.wait(30) and w.layout.exists(key(1))
     finally:
         w.shutdown()
+
+
+def test_worker_trace_marks_dram_hit_issues(tmp_path, monkeypatch, vllm_available):
+    """With ``KVCACHE_TRACE`` set, the worker asks its copier to time DRAM-hit copies and
+    records each one's issue (``direct_issued``, microseconds on this thread) and
+    completion; on the CPU platform a copy is synchronous, so it has no GPU time
+    (``copy_ms`` None, no ``direct_copy`` event)."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvcache_core.vllm.job_specs import PyKVLoadSpec, PyKVStoreSpec
+
+    monkeypatch.setenv("KVCACHE_TRACE", "1")
+    w = _make_worker(tmp_path, dram_files=2)
+    try:
+        assert w.reactor.trace is not None and w.copier.time_direct
+        k1 = key(1)
+        w.submit_store(1, GPULoadStoreSpec([3, 5], [2], [0]), PyKVStoreSpec([k1], [0]))
+        _run(w, 1)
+        w.submit_load(2, PyKVLoadSpec([k1], [0], [IN_SLOT]), GPULoadStoreSpec([20, 21], [2], [0]))
+        _run(w, 2)
+        ev = {e[1]: e for e in w.reactor.trace if e[2] == 2}
+        assert "direct_load" in ev and "direct_done" in ev and "direct_issued" in ev, ev
+        assert ev["direct_issued"][3] > 0 and "direct_copy" not in ev
+        assert w.copier.copy_ms(None) is None
+    finally:
+        w.shutdown()
