@@ -429,8 +429,9 @@ def test_worker_trace_marks_dram_hit_issues(tmp_path, monkeypatch, vllm_availabl
 
     from kvcache_core.vllm.job_specs import PyKVLoadSpec, PyKVStoreSpec
 
-    monkeypatch.setenv("KVCACHE_TRACE", "1")
-    w = _make_worker(tmp_path, dram_files=2)
+    base = tmp_path / "trace"
+    monkeypatch.setenv("KVCACHE_TRACE", str(base))
+    w = _make_worker(tmp_path / "root", dram_files=2)
     try:
         assert w.reactor.trace is not None and w.copier.time_direct
         k1 = key(1)
@@ -444,3 +445,5 @@ def test_worker_trace_marks_dram_hit_issues(tmp_path, monkeypatch, vllm_availabl
         assert w.copier.copy_ms(None) is None
     finally:
         w.shutdown()
+    # the trace goes to $KVCACHE_TRACE.r<rank>.<pid>.json at shutdown
+    assert list(tmp_path.glob("trace.r0.*.json"))
