@@ -51,11 +51,16 @@ def _register(t: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister failed ({rc})")
 
 
-def _populate(mm: mmap.mmap, t: torch.Tensor) -> None:
+def _pinned_view(mm: mmap.mmap) -> torch.Tensor:
+    """A mapping populated (MADV_POPULATE_WRITE, as vLLM's native region does) and
+    registered with CUDA, as a uint8 tensor over it."""
+    t = torch.frombuffer(mm, dtype=torch.uint8)
     try:
         mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
     except OSError:  # kernel < 5.14
         t.fill_(0)
+    _register(t)
+    return t
 
 
 def host_buffers(nbytes: int, slot_bytes: int) -> dict[str, tuple[torch.Tensor, object]]:
@@ -69,10 +74,7 @@ def host_buffers(nbytes: int, slot_bytes: int) -> dict[str, tuple[torch.Tensor, 
     t0 = time.perf_counter()
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
-    t = torch.frombuffer(mm, dtype=torch.uint8)
-    _populate(mm, t)
-    _register(t)
-    out["pool_thp"] = (t, mm)
+    out["pool_thp"] = (_pinned_view(mm), mm)
     print(f"pool_thp: {time.perf_counter() - t0:.1f} s", flush=True)
     t0 = time.perf_counter()
     path = f"/dev/shm/bench_h2d_{os.getpid()}.mmap"
@@ -82,10 +84,7 @@ def host_buffers(nbytes: int, slot_bytes: int) -> dict[str, tuple[torch.Tensor, 
                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(fd)
     os.unlink(path)
-    t = torch.frombuffer(sm, dtype=torch.uint8)
-    _populate(sm, t)
-    _register(t)
-    out["shm"] = (t, sm)
+    out["shm"] = (_pinned_view(sm), sm)
     print(f"shm: {time.perf_counter() - t0:.1f} s", flush=True)
     t0 = time.perf_counter()
     t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
