@@ -151,6 +151,14 @@ KEY_HELP: dict[str, str] = {
     "once per copy). 'block' is for the A/B of issue 9's no-hit decode cost (the counters "
     "reactor_iterations / reactor_step_us show the wake-ups); it is not yet measured on a "
     "GPU. No effect without CUDA.",
+    "dram_load_copy": "How a DRAM-tier hit is copied into vLLM's KV cache: 'dma' (one "
+    "cuMemcpyBatchAsync on the GPU's copy engines: one descriptor per contiguous run of GPU "
+    "blocks, so a request whose blocks vLLM handed out in reverse or scattered order needs "
+    "one descriptor per block and layer and the host thread feeds the copy engines for "
+    "the copy's whole duration), 'kernel' (vLLM's Triton gather kernel: GPU threads read "
+    "the pinned DRAM tier directly, one launch whatever the descriptor count) or 'auto' "
+    "(the kernel when the descriptors average below 256 KiB, else dma). Falls back to "
+    "'dma' with a warning where Triton cannot run. No effect without CUDA. Default 'dma'.",
     "integrity_key_file": "Path of a file holding a secret (>= 16 bytes; not readable by "
     "every user) shared by the processes that trust each other. Every block then carries a "
     "keyed BLAKE3 over header and payload, and a block that does not verify (forged by "
@@ -189,6 +197,7 @@ class StorageConfig:
     switch_interval_s: float = 0.0005
     switch_interval_scope: str = "process"
     store_copy_wait: str = "poll"
+    dram_load_copy: str = "dma"
     integrity_key_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -220,6 +229,8 @@ class StorageConfig:
              "must be 'process' or 'busy'")
         need(self.store_copy_wait in ("poll", "block"), "store_copy_wait",
              "must be 'poll' or 'block'")
+        need(self.dram_load_copy in ("dma", "kernel", "auto"), "dram_load_copy",
+             "must be 'dma', 'kernel' or 'auto'")
         need(self.integrity_key_file is None or (
             isinstance(self.integrity_key_file, str) and self.integrity_key_file != ""),
             "integrity_key_file", "must be a file path (string) or null")

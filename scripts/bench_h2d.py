@@ -22,6 +22,13 @@ second time (condition ``writeback``) while a thread writes slots of the same ho
 to files in DIR with O_DIRECT, back to back: the DRAM tier's background write-back during
 a DRAM hit (the eighteenth session saw slow hits only while write-back was running).
 
+``--descs`` adds the descriptor sizes of a real DRAM hit: ``layer`` (chunk / layers: one
+coalesced run of one KV tensor, py-kvcache's copy when vLLM gave the request consecutive
+GPU blocks) and ``block`` (one GPU block of one layer, 64 KiB on the 3B: the copy when the
+blocks are not consecutive, and always vLLM's native one). ``--kernel-programs`` adds the
+same H2D copies done by vLLM's Triton gather kernel (``dram_load_copy=kernel``) at those
+grid sizes; its first copy of each kind is checked byte for byte at 16 random places.
+
 Usage (GPU machine, after ``source /tmp/rt/env.sh``):
     python scripts/bench_h2d.py --gib 7 --writeback-dir /tmp/h2dwb --json $RES/h2d.json
 """
@@ -43,6 +50,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvcache_core.staging import StagingPool  # noqa: E402
+from kvcache_core.vllm.transfer import KERNEL_CHUNK_BYTES  # noqa: E402
 
 
 def _register(t: torch.Tensor) -> None:
@@ -63,19 +71,37 @@ def _pinned_view(mm: mmap.mmap) -> torch.Tensor:
     return t
 
 
-def host_buffers(nbytes: int, slot_bytes: int) -> dict[str, tuple[torch.Tensor, object]]:
-    """name -> (uint8 tensor of nbytes, keep-alive object)."""
+def host_buffers(nbytes: int, slot_bytes: int,
+                 kinds: list[str]) -> dict[str, tuple[torch.Tensor, object]]:
+    """name -> (uint8 tensor of nbytes, keep-alive object), for each of ``kinds``."""
     out: dict[str, tuple[torch.Tensor, object]] = {}
     n_slots = nbytes // slot_bytes
     t0 = time.perf_counter()
-    pool = StagingPool(n_slots, slot_bytes, pin=True)
-    out["pool"] = (pool.as_tensor(), pool)
-    print(f"pool: {time.perf_counter() - t0:.1f} s", flush=True)
+    if "pool" in kinds:
+        pool = StagingPool(n_slots, slot_bytes, pin=True)
+        out["pool"] = (pool.as_tensor(), pool)
+        print(f"pool: {time.perf_counter() - t0:.1f} s", flush=True)
+    if "pool_thp" in kinds:
+        _thp(out, nbytes)
+    if "shm" in kinds:
+        _shm(out, nbytes)
+    if "torch" in kinds:
+        t0 = time.perf_counter()
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        out["torch"] = (t, None)
+        print(f"torch: {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def _thp(out: dict[str, tuple[torch.Tensor, object]], nbytes: int) -> None:
     t0 = time.perf_counter()
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(getattr(mmap, "MADV_HUGEPAGE", 14))
     out["pool_thp"] = (_pinned_view(mm), mm)
     print(f"pool_thp: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def _shm(out: dict[str, tuple[torch.Tensor, object]], nbytes: int) -> None:
     t0 = time.perf_counter()
     path = f"/dev/shm/bench_h2d_{os.getpid()}.mmap"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -86,11 +112,6 @@ def host_buffers(nbytes: int, slot_bytes: int) -> dict[str, tuple[torch.Tensor, 
     os.unlink(path)
     out["shm"] = (_pinned_view(sm), sm)
     print(f"shm: {time.perf_counter() - t0:.1f} s", flush=True)
-    t0 = time.perf_counter()
-    t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    out["torch"] = (t, None)
-    print(f"torch: {time.perf_counter() - t0:.1f} s", flush=True)
-    return out
 
 
 class Writer:
@@ -139,6 +160,16 @@ def thp_share() -> str:
         return "?"
 
 
+def _kernel_copy(kfn, dev: torch.device, src: np.ndarray, dst: np.ndarray,
+                 sizes: np.ndarray, programs: int) -> torch.Tensor:
+    """py-kvcache's ``dram_load_copy=kernel`` path (transfer._CudaExec.run): one (3, n)
+    descriptor tensor copied to the GPU, one launch of vLLM's gather kernel."""
+    d = torch.from_numpy(np.stack((src, dst, sizes))).to(dev, non_blocking=True)
+    n = int(d.shape[1])
+    kfn[(min(programs, n),)](d[0], d[1], d[2], n, BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)
+    return d
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=7.0, help="bytes moved per copy (GiB)")
@@ -146,6 +177,17 @@ def main() -> int:
                     help="py-kvcache chunk payload (3B: 256 tokens = 28 MiB)")
     ap.add_argument("--pages-per-chunk", type=int, default=16,
                     help="GPU blocks per chunk (native copies one descriptor per block)")
+    ap.add_argument("--layers", type=int, default=28,
+                    help="KV tensors (layers) per chunk: descriptor 'layer' is chunk/layers "
+                    "(a coalesced run of one layer), 'block' chunk/(layers*pages) (one GPU "
+                    "block of one layer: what a request with non-consecutive blocks needs)")
+    ap.add_argument("--descs", default="chunk,page",
+                    help="descriptor granularities, of chunk, page, layer, block")
+    ap.add_argument("--hosts", default="pool,pool_thp,shm,torch",
+                    help="host memory kinds, of pool, pool_thp, shm, torch")
+    ap.add_argument("--kernel-programs", default="",
+                    help="comma list: also copy H2D with vLLM's Triton gather kernel "
+                    "(py-kvcache's dram_load_copy=kernel) at these grid sizes")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--writeback-dir", help="also measure H2D while slots of the same host "
                     "memory are written to files here with O_DIRECT (condition 'writeback')")
@@ -153,12 +195,16 @@ def main() -> int:
     a = ap.parse_args()
     from vllm import _custom_ops as ops
 
+    kfn = None
+    programs = [int(x) for x in a.kernel_programs.split(",") if x]
+    if programs:
+        from vllm.v1.kv_offload.cpu.swap_blocks_triton import _swap_blocks_kernel as kfn
     dev = torch.device("cuda", 0)
     chunk = a.chunk_bytes
     n_chunks = int(a.gib * (1 << 30)) // chunk
     nbytes = n_chunks * chunk
     slot = chunk + 4096  # header + payload, like a py-kvcache slot
-    hosts = host_buffers(n_chunks * slot, slot)
+    hosts = host_buffers(n_chunks * slot, slot, a.hosts.split(","))
     print(thp_share(), flush=True)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     gbase = gpu.data_ptr()
@@ -167,7 +213,10 @@ def main() -> int:
     gorder = rng.permutation(n_chunks).astype(np.int64)
     stream = torch.cuda.Stream(dev)
     results: dict[str, dict[str, list[float]]] = {}
-    descs = {"chunk": 1, "page": a.pages_per_chunk}
+    per_of = {"chunk": 1, "page": a.pages_per_chunk, "layer": a.layers,
+              "block": a.layers * a.pages_per_chunk}
+    descs = {d: per_of[d] for d in a.descs.split(",")}
+    engines = ["dma"] + [f"kernel{p}" for p in programs]
     conds = ["idle"] + (["writeback"] if a.writeback_dir else [])
     wb_rates: list[float] = []
     for rep in range(a.reps):
@@ -182,44 +231,59 @@ def main() -> int:
                     time.sleep(0.05)  # the writes are under way before the copy starts
                 hbase = host.data_ptr()
                 for dname, per in descs.items():
-                    if cond == "writeback" and dname != "chunk":
-                        continue
                     size = chunk // per
                     h = (hbase + 4096 + np.arange(n_chunks, dtype=np.int64)[:, None] * slot
                          + np.arange(per, dtype=np.int64)[None, :] * size).ravel()
                     g = (gbase + gorder[:, None] * chunk
                          + np.arange(per, dtype=np.int64)[None, :] * size).ravel()
-                    sizes = torch.full((n_chunks * per,), size, dtype=torch.int64)
-                    for direction in ("h2d", "d2h"):
-                        if cond == "writeback" and direction != "h2d":
-                            continue
-                        src, dst = (h, g) if direction == "h2d" else (g, h)
-                        s_t, d_t = torch.from_numpy(src.copy()), torch.from_numpy(dst.copy())
-                        torch.cuda.synchronize(dev)
-                        with torch.cuda.stream(stream):
-                            e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-                            e0.record(stream)
-                            t0 = time.perf_counter()
-                            ops.swap_blocks_batch(s_t, d_t, sizes,
-                                                  is_src_access_order_any=direction == "h2d")
-                            t1 = time.perf_counter()
-                            e1.record(stream)
-                        e1.synchronize()
-                        t2 = time.perf_counter()
-                        key = f"{name}/{dname}/{direction}/{cond}"
-                        r = results.setdefault(key, {"call_ms": [], "gbps": [], "wall_gbps": []})
-                        r["call_ms"].append((t1 - t0) * 1e3)
-                        r["gbps"].append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
-                        r["wall_gbps"].append(nbytes / (t2 - t0) / 1e9)
+                    szs = np.full(n_chunks * per, size, dtype=np.int64)
+                    sizes = torch.from_numpy(szs)
+                    for engine in engines:
+                        for direction in ("h2d", "d2h"):
+                            if direction == "d2h" and (cond == "writeback" or engine != "dma"):
+                                continue
+                            src, dst = (h, g) if direction == "h2d" else (g, h)
+                            s_t, d_t = torch.from_numpy(src.copy()), torch.from_numpy(dst.copy())
+                            torch.cuda.synchronize(dev)
+                            with torch.cuda.stream(stream):
+                                e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+                                e0.record(stream)
+                                t0 = time.perf_counter()
+                                if engine == "dma":
+                                    ops.swap_blocks_batch(
+                                        s_t, d_t, sizes,
+                                        is_src_access_order_any=direction == "h2d")
+                                else:
+                                    _kernel_copy(kfn, dev, src, dst, szs, int(engine[6:]))
+                                t1 = time.perf_counter()
+                                e1.record(stream)
+                            e1.synchronize()
+                            t2 = time.perf_counter()
+                            if engine != "dma" and rep == 0 and cond == "idle":
+                                probe = rng.integers(0, nbytes - 64, 16)  # bytes landed?
+                                ok = all(
+                                    bool(torch.equal(
+                                        gpu[int(gorder[i // chunk]) * chunk + i % chunk:][:64]
+                                        .cpu(),
+                                        host[4096 + (i // chunk) * slot + i % chunk:][:64]))
+                                    for i in probe.tolist())
+                                if not ok:
+                                    raise SystemExit(f"{engine}: copied bytes do not match")
+                            key = f"{name}/{dname}/{direction}/{cond}/{engine}"
+                            r = results.setdefault(key, {"call_ms": [], "gbps": [],
+                                                         "wall_gbps": []})
+                            r["call_ms"].append((t1 - t0) * 1e3)
+                            r["gbps"].append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
+                            r["wall_gbps"].append(nbytes / (t2 - t0) / 1e9)
                 if writer is not None:
                     writer.stop()
                     wb_rates.append(writer.written / (time.perf_counter() - tw) / 1e9)
         print(f"round {rep + 1}/{a.reps} done", flush=True)
     rows = []
     for key, r in results.items():
-        name, dname, direction, cond = key.split("/")
+        name, dname, direction, cond, engine = key.split("/")
         rows.append({"host": name, "descriptor": dname, "direction": direction,
-                     "condition": cond,
+                     "condition": cond, "engine": engine,
                      "descriptors": n_chunks * descs[dname],
                      "descriptor_bytes": chunk // descs[dname],
                      "call_ms": st.median(r["call_ms"]), "gbps": st.median(r["gbps"]),
@@ -229,11 +293,11 @@ def main() -> int:
            "writeback_gbps": st.median(wb_rates) if wb_rates else None}
     with open(a.json, "w") as f:
         json.dump(doc, f, indent=1)
-    print(f"{'host':9} {'desc':6} {'dir':4} {'condition':9} {'n':>6} {'call ms':>8} "
-          f"{'GB/s':>6} {'wall':>6}")
+    print(f"{'host':9} {'desc':6} {'dir':4} {'condition':9} {'engine':9} {'n':>7} "
+          f"{'call ms':>8} {'GB/s':>6} {'wall':>6}")
     for r in rows:
         print(f"{r['host']:9} {r['descriptor']:6} {r['direction']:4} {r['condition']:9} "
-              f"{r['descriptors']:6d} {r['call_ms']:8.1f} {r['gbps']:6.1f} "
+              f"{r['engine']:9} {r['descriptors']:7d} {r['call_ms']:8.1f} {r['gbps']:6.1f} "
               f"{r['wall_gbps']:6.1f}")
     if wb_rates:
         print(f"write-back meanwhile: {st.median(wb_rates):.2f} GB/s (median)")

@@ -13,12 +13,13 @@
 #   bash scripts/h200_runs.sh queue   llama-3.2-3b   # issue 5 item 4: queue-aware preload
 #   bash scripts/h200_runs.sh trace   llama-3.2-3b   # what the reactor and engine did per TTFT
 #   bash scripts/h200_runs.sh wbab    llama-3.2-3b   # issue 9: write-back deferred vs not (A/B)
+#   bash scripts/h200_runs.sh dcab    llama-3.2-3b   # issue 9: DRAM-hit copy dma vs kernel (A/B)
 #   bash scripts/h200_runs.sh sharegpt llama-3.2-3b  # issue 9 item 4: ShareGPT replay, 5 configs
 #   bash scripts/h200_runs.sh scbench llama-3.2-3b   # issue 10 item 3: multi-turn shared contexts
 #   WORKLOAD=.gpu/wl-longbench-docs.jsonl.gz bash scripts/h200_runs.sh replay llama-3.2-3b
 #                                                    # issue 11: one workload, all configs
 set -euo pipefail
-STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|replay|scbench|wbab}
+STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|replay|scbench|wbab|dcab}
 M=${2:?model: llama-3.2-3b|llama-3.1-8b}
 RES=${RES:-/tmp/res}
 ROOT=${ROOT:-/tmp/ldroot}
@@ -101,6 +102,27 @@ case "$STEP" in
           --json "$RES_BASE/wbab-$d-r$r/longdoc-$M.json" --configs kvcache_dram || true
       done
     done ;;
+  dcab)
+    # issue 9: how a DRAM hit is copied (dram_load_copy) - dma vs the gather kernel,
+    # kvcache_dram, rounds interleaved with the order reversed each round, then ARMS_ONCE
+    # (default: auto, and native_cpu for the ratio) once. TOKENS narrows the sizes.
+    # Results: $RES/dcab-<arm>-r<round>/longdoc-$M.json
+    ROUNDS=${ROUNDS:-2}; ARMS=${ARMS:-dma kernel}; TOK=${TOKENS:-16384,65536}
+    run_arm() {  # $1 arm (a dram_load_copy value or native_cpu), $2 round
+      mkdir -p "$RES/dcab-$1-r$2"
+      if [ "$1" = native_cpu ]; then
+        "${B[@]}" --no-probe --tokens "$TOK" --json "$RES/dcab-$1-r$2/longdoc-$M.json" \
+          --configs native_cpu || true
+      else
+        "${B[@]}" --no-probe --tokens "$TOK" --kv-extra "dram_load_copy=\"$1\"" \
+          --json "$RES/dcab-$1-r$2/longdoc-$M.json" --configs kvcache_dram || true
+      fi
+    }
+    for r in $(seq 1 "$ROUNDS"); do
+      order=$ARMS; [ $((r % 2)) = 0 ] && order=$(echo "$ARMS" | tr ' ' '\n' | tac | tr '\n' ' ')
+      for a in $order; do run_arm "$a" "$r"; done
+    done
+    for a in ${ARMS_ONCE-auto native_cpu}; do run_arm "$a" 1; done ;;
   trace)
     # diagnostics: per request, the reactor's events and the engine's steps (host time
     # launching each forward) inside its TTFT window; TOKENS and CONFIGS narrow a call.

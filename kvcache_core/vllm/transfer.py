@@ -43,6 +43,28 @@ from ..staging import StagingPool
 
 log = logging.getLogger("vllm.pykvcache")
 N_STORE_STREAMS = 8
+#: ``dram_load_copy``: vLLM's gather kernel copies this many bytes per step of a program
+#: (its own choice for pages of 8 KiB and more)
+KERNEL_CHUNK_BYTES = 8192
+#: programs (thread blocks) of one gather-kernel launch (scripts/bench_h2d.py)
+KERNEL_PROGRAMS = 32
+#: "auto" uses the kernel for a DRAM hit of at least this many descriptors ...
+KERNEL_MIN_OPS = 16
+#: ... averaging below this many bytes (blocks that did not coalesce into runs)
+KERNEL_MAX_MEAN_BYTES = 256 << 10
+
+
+def use_gather_kernel(mode: str, sizes: np.ndarray) -> bool:
+    """Whether a DRAM hit whose (coalesced) copy descriptors have these byte ``sizes`` is
+    copied by the gather kernel under ``dram_load_copy`` = ``mode``: always for "kernel",
+    never for "dma"; for "auto" when there are at least :data:`KERNEL_MIN_OPS` of them and
+    they average below :data:`KERNEL_MAX_MEAN_BYTES` (vLLM handed the request
+    non-consecutive GPU blocks, so runs did not coalesce and DMA would need one descriptor
+    per block and layer)."""
+    if mode != "auto":
+        return mode == "kernel"
+    n = len(sizes)
+    return n >= KERNEL_MIN_OPS and int(sizes.sum()) < KERNEL_MAX_MEAN_BYTES * n
 
 
 class ChunkRef:
@@ -287,6 +309,13 @@ class KVCopier(Copier):
         #: [slot header checks, descriptor build, copy issue (the swap call), longest issue].
         #: A copy issue that lasts as long as the copy says the driver ran it synchronously.
         self.direct_timing = [0.0, 0.0, 0.0, 0.0]
+        #: copy descriptors of the last :meth:`load_direct` (after coalescing; diagnostics)
+        self.last_direct_ops = 0
+        #: ``dram_load_copy``: how :meth:`load_direct` copies ("dma", "kernel", "auto");
+        #: set through :meth:`set_direct_copy` (model-runner thread, before any load)
+        self.direct_copy = "dma"
+        #: DRAM-hit jobs copied by the gather kernel (diagnostics, exported timing)
+        self.direct_kernel_jobs = 0
         #: diagnostics (set by the worker when the trace is on): :meth:`load_direct`'s
         #: copies carry timing events, read back with :meth:`copy_ms`
         self.time_direct = False
@@ -352,8 +381,13 @@ class KVCopier(Copier):
             return None
         t1 = time.perf_counter()
         ops = self.g.batch_ops(good, bases)
+        n_ops = len(ops[0])
+        self.last_direct_ops = n_ops
+        kernel = use_gather_kernel(self.direct_copy, ops[3])
         t2 = time.perf_counter()
-        h = self._run(ops, to_device=True, after=None, slot=-1, direct=True)
+        h = self._run(ops, to_device=True, after=None, slot=-1, direct=True, kernel=kernel)
+        if kernel:
+            self.direct_kernel_jobs += 1
         t3 = time.perf_counter()
         dt = self.direct_timing
         dt[0] += t1 - t0
@@ -362,6 +396,28 @@ class KVCopier(Copier):
         if t3 - t2 > dt[3]:
             dt[3] = t3 - t2
         return h
+
+    def set_direct_copy(self, mode: str) -> str:
+        """Choose how :meth:`load_direct` copies (``dram_load_copy``: "dma", "kernel" or
+        "auto"); model-runner thread, before the first load. "kernel" and "auto" load and
+        compile vLLM's gather kernel now (one tiny copy, so the first hit pays no JIT) and
+        fall back to "dma" with a warning where it cannot run (no Triton, a vLLM without
+        the kernel). Returns the mode in effect; without CUDA that is always "dma"."""
+        if mode not in ("dma", "kernel", "auto"):
+            raise ValueError(f"dram_load_copy must be 'dma', 'kernel' or 'auto', got {mode!r}")
+        if mode != "dma" and self._cx is not None:  # pragma: no cover - needs CUDA
+            try:
+                if not getattr(self.pool, "pinned", False):
+                    raise RuntimeError("the pool is not registered with CUDA (page-locked), "
+                                       "so GPU threads cannot read it")
+                self._cx.load_kernel()
+            except Exception as e:  # noqa: BLE001 - any failure means: not here
+                log.warning("py-kvcache: dram_load_copy=%r needs vLLM's Triton gather kernel, "
+                            "which cannot run here (%s: %s); DRAM hits use 'dma'", mode,
+                            type(e).__name__, e)
+                mode = "dma"
+        self.direct_copy = mode if self._cx is not None else "dma"
+        return self.direct_copy
 
     def copy_ms(self, handle: Any) -> float | None:
         """GPU time of a finished :meth:`load_direct` copy (ms), when it was issued with
@@ -436,10 +492,10 @@ class KVCopier(Copier):
         return True
 
     def _run(self, ops: tuple[np.ndarray, ...], *, to_device: bool, after: Any,
-             slot: int, direct: bool = False) -> Any:
+             slot: int, direct: bool = False, kernel: bool = False) -> Any:
         if self._cx is not None:
             return self._cx.run(ops, to_device=to_device, after=after, slot=slot,
-                                direct=direct,
+                                direct=direct, kernel=kernel,
                                 blocking=self.blocking_store_events and not to_device,
                                 timed=direct and self.time_direct)
         tix, kvo, plo, szs = (a.tolist() for a in ops)
@@ -488,6 +544,31 @@ class _CudaExec:
         if self.swap is None:  # pragma: no cover
             log.warning("py-kvcache: vllm._custom_ops.swap_blocks_batch unavailable; using "
                         "per-block copies")
+        #: vLLM's Triton gather kernel (``dram_load_copy`` kernel/auto), once loaded
+        self._kfn: Any = None
+        #: its grid: programs (thread blocks) that copy; env KVCACHE_KERNEL_PROGRAMS
+        #: overrides it for the bandwidth A/B (scripts/bench_h2d.py)
+        self.kernel_programs = int(os.environ.get("KVCACHE_KERNEL_PROGRAMS", "0")
+                                   or KERNEL_PROGRAMS)
+
+    def load_kernel(self) -> None:  # pragma: no cover - needs CUDA
+        """Import vLLM's gather kernel and compile it with one 8 KiB copy from the pool
+        into a scratch tensor (raises where Triton or the kernel is missing)."""
+        if self._kfn is not None:
+            return
+        from vllm.v1.kv_offload.cpu.swap_blocks_triton import _swap_blocks_kernel
+
+        self.bind()
+        scratch = torch.empty(KERNEL_CHUNK_BYTES, dtype=torch.uint8, device=self.dev)
+        desc = torch.tensor([[self.pool_base], [scratch.data_ptr()], [KERNEL_CHUNK_BYTES]],
+                            dtype=torch.int64).to(self.dev)
+        with torch.cuda.device(self.dev), torch.cuda.stream(self.direct_stream):
+            _swap_blocks_kernel[(1,)](desc[0], desc[1], desc[2], 1,
+                                      BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)
+        self.direct_stream.synchronize()
+        if not torch.equal(scratch.cpu(), self.pool_t[:KERNEL_CHUNK_BYTES]):
+            raise RuntimeError("the gather kernel's test copy does not match its source")
+        self._kfn = _swap_blocks_kernel
 
     def bind(self) -> None:  # pragma: no cover - needs CUDA
         """Make the KV device's primary context current on the calling thread, once per
@@ -501,7 +582,7 @@ class _CudaExec:
 
     def run(self, ops: tuple[np.ndarray, ...], *, to_device: bool, after: Any,
             slot: int, direct: bool = False, blocking: bool = False,
-            timed: bool = False) -> _CudaHandle:  # pragma: no cover - needs CUDA
+            timed: bool = False, kernel: bool = False) -> _CudaHandle:  # pragma: no cover
         tix, kvo, plo, szs = ops
         self.bind()
         stream = (self.direct_stream if direct else self.load_stream if to_device
@@ -517,7 +598,16 @@ class _CudaExec:
             if timed:  # diagnostics: the copy's GPU time (KVCopier.copy_ms)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-            if self.swap is not None:
+            if kernel and self._kfn is not None and to_device:
+                # one (3, n) descriptor tensor, one H2D copy of it, one launch: the GPU's
+                # threads read the pinned pool directly, whatever the descriptor count
+                d = torch.from_numpy(np.stack((self.pool_base + plo, self.kv_base[tix] + kvo,
+                                               szs))).to(self.dev, non_blocking=True)
+                n = int(d.shape[1])
+                self._kfn[(min(self.kernel_programs, n),)](
+                    d[0], d[1], d[2], n, BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)
+                keep = d
+            elif self.swap is not None:
                 kv_ptr = torch.from_numpy(self.kv_base[tix] + kvo)
                 pool_ptr = torch.from_numpy(self.pool_base + plo)
                 sizes = torch.from_numpy(np.ascontiguousarray(szs))

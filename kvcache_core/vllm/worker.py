@@ -141,6 +141,8 @@ class PyKVCacheWorker(OffloadingWorker):
         self.copier: KVCopier = self.reactor.copier  # type: ignore[assignment]
         if self.reactor.trace is not None and hasattr(self.copier, "time_direct"):
             self.copier.time_direct = True  # diagnostics: DRAM-hit copies' GPU time
+        if hasattr(self.copier, "set_direct_copy"):  # dram_load_copy (CUDA only)
+            self.copier.set_direct_copy(storage.dram_load_copy)
         #: load jobs served entirely from the DRAM tier: job id -> copy handle
         self._direct: dict[int, Any] = {}
         #: synchronous load jobs (``dram_load_sync``) not yet finished, and the finished
@@ -241,6 +243,8 @@ class PyKVCacheWorker(OffloadingWorker):
             self.timing["main_submit_load_s"] += dt
             if self.reactor.trace is not None:  # diagnostics: how long the issue held us
                 self.reactor.trace_event("direct_issued", job_id, int(dt * 1e6))
+                self.reactor.trace_event("direct_ops", job_id,
+                                         getattr(self.copier, "last_direct_ops", 0))
             return True
         items = []
         for ref, slot, flag in zip(refs, src_spec.dram_slots, src_spec.flags, strict=True):
@@ -559,7 +563,8 @@ class PyKVCacheWorker(OffloadingWorker):
         if not dt:
             return {}
         return {"direct_validate_s": dt[0], "direct_ops_s": dt[1], "direct_issue_s": dt[2],
-                "direct_issue_max_s": dt[3]}
+                "direct_issue_max_s": dt[3],
+                "direct_kernel_jobs": getattr(self.copier, "direct_kernel_jobs", 0)}
 
     def _export(self, snap: dict[str, int]) -> None:
         """Append this worker's final counters and staging high-water mark as one JSON line

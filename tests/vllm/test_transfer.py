@@ -127,3 +127,38 @@ def test_split_rejects_inconsistent_specs(vllm_available):
     with pytest.raises(ValueError, match="out of range"):
         g.split(GPULoadStoreSpec([1, 2, -1, 3], [4], [0]), [key(1), key(2)])  # negative
     assert len(g.split(GPULoadStoreSpec([1, 2, 63, 0], [4], [0]), [key(1), key(2)])) == 2
+
+
+def test_dram_load_copy_mode_choice():
+    """``dram_load_copy``: 'auto' takes the gather kernel only for hits whose descriptors
+    did not coalesce (many small ones: one per GPU block and layer), DMA for coalesced
+    runs and for tiny hits; 'dma' and 'kernel' are what they say."""
+    from kvcache_core.vllm.transfer import KERNEL_MIN_OPS, use_gather_kernel
+
+    runs = np.full(28 * 4, 1 << 20, dtype=np.int64)  # 4 chunks, one 1 MiB run per layer
+    blocks = np.full(28 * 4 * 16, 64 << 10, dtype=np.int64)  # the same, block by block
+    assert not use_gather_kernel("auto", runs) and use_gather_kernel("auto", blocks)
+    assert not use_gather_kernel("auto", blocks[:KERNEL_MIN_OPS - 1])
+    for sizes in (runs, blocks):
+        assert use_gather_kernel("kernel", sizes) and not use_gather_kernel("dma", sizes)
+
+
+def test_dram_load_copy_without_cuda_is_dma(tmp_path, vllm_available):
+    """Where CUDA is absent the kernel cannot run: set_direct_copy keeps 'dma' for every
+    valid mode and refuses an unknown one."""
+    from kvcache_core.layout import Layout, Namespace
+    from kvcache_core.staging import StagingPool
+    from kvcache_core.vllm.transfer import KVCopier
+
+    g = _geometry(2)
+    pool = StagingPool(4, 8192, pin=False)
+    lay = Layout(str(tmp_path), Namespace("m", "bfloat16", 32, 2 * 2 * 256))
+    try:
+        c = KVCopier(pool, HEADER_BYTES, geometry=g, layout=lay, n_staging=4)
+        for mode in ("dma", "kernel", "auto"):
+            assert c.set_direct_copy(mode) == "dma" and c.direct_copy == "dma"
+        with pytest.raises(ValueError, match="dram_load_copy"):
+            c.set_direct_copy("fast")
+    finally:
+        lay.close()
+        pool.close()
