@@ -206,6 +206,11 @@ def main() -> int:
     slot = chunk + 4096  # header + payload, like a py-kvcache slot
     hosts = host_buffers(n_chunks * slot, slot, a.hosts.split(","))
     print(thp_share(), flush=True)
+    piece = 1 << 28
+    for host, _keep in hosts.values():  # a pattern, so that the byte checks mean something
+        for off in range(0, host.numel() - piece + 1, piece):
+            host[off:off + piece].view(torch.int64).copy_(
+                torch.arange(off // 8, (off + piece) // 8, dtype=torch.int64))
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     gbase = gpu.data_ptr()
     # GPU destinations in a shuffled chunk order (a real KV cache's blocks are not in order)
@@ -244,6 +249,9 @@ def main() -> int:
                                 continue
                             src, dst = (h, g) if direction == "h2d" else (g, h)
                             s_t, d_t = torch.from_numpy(src.copy()), torch.from_numpy(dst.copy())
+                            check = engine != "dma" and rep == 0 and cond == "idle"
+                            if check:
+                                gpu.zero_()
                             torch.cuda.synchronize(dev)
                             with torch.cuda.stream(stream):
                                 e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
@@ -259,14 +267,14 @@ def main() -> int:
                                 e1.record(stream)
                             e1.synchronize()
                             t2 = time.perf_counter()
-                            if engine != "dma" and rep == 0 and cond == "idle":
-                                probe = rng.integers(0, nbytes - 64, 16)  # bytes landed?
+                            if check:  # the bytes landed where they belong
+                                torch.cuda.synchronize(dev)
                                 ok = all(
-                                    bool(torch.equal(
-                                        gpu[int(gorder[i // chunk]) * chunk + i % chunk:][:64]
-                                        .cpu(),
-                                        host[4096 + (i // chunk) * slot + i % chunk:][:64]))
-                                    for i in probe.tolist())
+                                    torch.equal(gpu[int(gorder[c]) * chunk + o:][:64].cpu(),
+                                                host[4096 + c * slot + o:][:64])
+                                    for c, o in zip(rng.integers(0, n_chunks, 16).tolist(),
+                                                    rng.integers(0, chunk - 64, 16).tolist(),
+                                                    strict=True))
                                 if not ok:
                                     raise SystemExit(f"{engine}: copied bytes do not match")
                             key = f"{name}/{dname}/{direction}/{cond}/{engine}"

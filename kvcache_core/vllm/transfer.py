@@ -559,7 +559,8 @@ class _CudaExec:
         from vllm.v1.kv_offload.cpu.swap_blocks_triton import _swap_blocks_kernel
 
         self.bind()
-        scratch = torch.empty(KERNEL_CHUNK_BYTES, dtype=torch.uint8, device=self.dev)
+        # 0xff, so that a kernel that copied nothing cannot pass the check below
+        scratch = torch.full((KERNEL_CHUNK_BYTES,), 255, dtype=torch.uint8, device=self.dev)
         desc = torch.tensor([[self.pool_base], [scratch.data_ptr()], [KERNEL_CHUNK_BYTES]],
                             dtype=torch.int64).to(self.dev)
         with torch.cuda.device(self.dev), torch.cuda.stream(self.direct_stream):
