@@ -107,7 +107,10 @@ case "$STEP" in
     # kvcache_dram, rounds interleaved with the order reversed each round, then ARMS_ONCE
     # (default: auto, and native_cpu for the ratio) once. TOKENS narrows the sizes.
     # Results: $RES/dcab-<arm>-r<round>/longdoc-$M.json
+    # Every kvcache arm spot-checks its DRAM-hit copies against the pool
+    # (KVCACHE_VERIFY_DIRECT=1: counters direct_verified / direct_verify_failed in the log).
     ROUNDS=${ROUNDS:-2}; ARMS=${ARMS:-dma kernel}; TOK=${TOKENS:-16384,65536}
+    export KVCACHE_VERIFY_DIRECT=${KVCACHE_VERIFY_DIRECT-1}
     run_arm() {  # $1 arm (a dram_load_copy value or native_cpu), $2 round
       mkdir -p "$RES/dcab-$1-r$2"
       if [ "$1" = native_cpu ]; then

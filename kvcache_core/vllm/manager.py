@@ -221,6 +221,10 @@ WORKER_COUNTERS: dict[str, str] = {
     "ext_slot_waits": "Worker: tasks that waited for a DRAM-tier slot still being written "
     "from (0 unless the scheduler's write-back pinning is bypassed).",
     "store_errors": "Worker: stores dropped by other write errors.",
+    "direct_verified": "Worker (diagnostics, KVCACHE_VERIFY_DIRECT=1): DRAM-hit copies "
+    "spot-checked against the DRAM tier after they finished.",
+    "direct_verify_failed": "Worker (diagnostics, KVCACHE_VERIFY_DIRECT=1): spot-checked "
+    "DRAM-hit copies whose device bytes differed from the DRAM tier.",
     "bytes_read": "Worker: bytes read from disk.",
     "bytes_written": "Worker: bytes written to disk.",
     "disk_evicted_files": "Worker: files evicted to honour max_disk_bytes.",

@@ -54,6 +54,18 @@ KERNEL_MIN_OPS = 16
 KERNEL_MAX_MEAN_BYTES = 256 << 10
 
 
+def kernel_programs(env: str | None) -> int:
+    """The gather kernel's grid: :data:`KERNEL_PROGRAMS`, or a positive integer from
+    ``env`` (the value of KVCACHE_KERNEL_PROGRAMS; unset or empty: the default). A grid of
+    zero programs would launch a kernel that copies nothing, so it is refused."""
+    if not env:
+        return KERNEL_PROGRAMS
+    n = int(env)
+    if n < 1:
+        raise ValueError(f"KVCACHE_KERNEL_PROGRAMS must be >= 1, got {env!r}")
+    return n
+
+
 def use_gather_kernel(mode: str, sizes: np.ndarray) -> bool:
     """Whether a DRAM hit whose (coalesced) copy descriptors have these byte ``sizes`` is
     copied by the gather kernel under ``dram_load_copy`` = ``mode``: always for "kernel",
@@ -316,6 +328,10 @@ class KVCopier(Copier):
         self.direct_copy = "dma"
         #: DRAM-hit jobs copied by the gather kernel (diagnostics, exported timing)
         self.direct_kernel_jobs = 0
+        #: diagnostics (env KVCACHE_VERIFY_DIRECT=1, set by the worker): keep the last
+        #: :meth:`load_direct`'s descriptors in ``last_ops`` for :meth:`check_copy`
+        self.verify_direct = False
+        self.last_ops: tuple[np.ndarray, ...] | None = None
         #: diagnostics (set by the worker when the trace is on): :meth:`load_direct`'s
         #: copies carry timing events, read back with :meth:`copy_ms`
         self.time_direct = False
@@ -384,6 +400,8 @@ class KVCopier(Copier):
         n_ops = len(ops[0])
         self.last_direct_ops = n_ops
         kernel = use_gather_kernel(self.direct_copy, ops[3])
+        if self.verify_direct:
+            self.last_ops = ops
         t2 = time.perf_counter()
         h = self._run(ops, to_device=True, after=None, slot=-1, direct=True, kernel=kernel)
         if kernel:
@@ -418,6 +436,28 @@ class KVCopier(Copier):
                 mode = "dma"
         self.direct_copy = mode if self._cx is not None else "dma"
         return self.direct_copy
+
+    def check_copy(self, ops: tuple[np.ndarray, ...], samples: int = 16,
+                   window: int = 64) -> int:
+        """Diagnostics: compare the first and the last ``window`` bytes of up to
+        ``samples`` descriptors (spread over all of them) of a FINISHED pool -> KV copy
+        between the pool and the KV tensors; returns how many descriptors differ. A copy
+        that skipped descriptors or stopped early inside one shows up here. Model-runner
+        thread (a device read-back on its current stream)."""
+        tix, kvo, plo, szs = ops
+        n = len(tix)
+        if n == 0:
+            return 0
+        bad = 0
+        for i in np.unique(np.linspace(0, n - 1, min(n, samples)).astype(np.int64)).tolist():
+            t, k, p, size = int(tix[i]), int(kvo[i]), int(plo[i]), int(szs[i])
+            m = min(window, size)
+            for off in (0, size - m):
+                dev = self.g.flat[t][k + off:k + off + m].cpu().view(torch.uint8)
+                if not torch.equal(dev, self._pool_t[p + off:p + off + m].view(torch.uint8)):
+                    bad += 1
+                    break
+        return bad
 
     def copy_ms(self, handle: Any) -> float | None:
         """GPU time of a finished :meth:`load_direct` copy (ms), when it was issued with
@@ -548,8 +588,7 @@ class _CudaExec:
         self._kfn: Any = None
         #: its grid: programs (thread blocks) that copy; env KVCACHE_KERNEL_PROGRAMS
         #: overrides it for the bandwidth A/B (scripts/bench_h2d.py)
-        self.kernel_programs = int(os.environ.get("KVCACHE_KERNEL_PROGRAMS", "0")
-                                   or KERNEL_PROGRAMS)
+        self.kernel_programs = kernel_programs(os.environ.get("KVCACHE_KERNEL_PROGRAMS"))
 
     def load_kernel(self) -> None:  # pragma: no cover - needs CUDA
         """Import vLLM's gather kernel and compile it with one 8 KiB copy from the pool

@@ -143,6 +143,13 @@ class PyKVCacheWorker(OffloadingWorker):
             self.copier.time_direct = True  # diagnostics: DRAM-hit copies' GPU time
         if hasattr(self.copier, "set_direct_copy"):  # dram_load_copy (CUDA only)
             self.copier.set_direct_copy(storage.dram_load_copy)
+        #: diagnostics (env KVCACHE_VERIFY_DIRECT=1): each finished DRAM-hit copy is
+        #: spot-checked against the pool (counters direct_verified / direct_verify_failed)
+        self._verify_ops: dict[int, Any] | None = None
+        if os.environ.get("KVCACHE_VERIFY_DIRECT") == "1" and hasattr(self.copier,
+                                                                       "check_copy"):
+            self.copier.verify_direct = True
+            self._verify_ops = {}
         #: load jobs served entirely from the DRAM tier: job id -> copy handle
         self._direct: dict[int, Any] = {}
         #: synchronous load jobs (``dram_load_sync``) not yet finished, and the finished
@@ -239,6 +246,9 @@ class PyKVCacheWorker(OffloadingWorker):
             self.reactor.note_foreground()
             self.reactor.trace_event("direct_load", job_id, len(refs))
             self._direct[job_id] = self.copier.load_direct(slots, refs)
+            if self._verify_ops is not None and self.copier.last_ops is not None:
+                self._verify_ops[job_id] = self.copier.last_ops
+                self.copier.last_ops = None
             dt = time.perf_counter() - t0
             self.timing["main_submit_load_s"] += dt
             if self.reactor.trace is not None:  # diagnostics: how long the issue held us
@@ -364,9 +374,24 @@ class PyKVCacheWorker(OffloadingWorker):
                     self.reactor.trace_event("direct_copy", j, int(ms * 1e3))
             job = self._jobs.pop(j)
             self._load_done(job, None)
+            if self._verify_ops is not None:
+                self._verify(j)
             dt = time.perf_counter() - job.t0
             self._results.append(TransferResult(j, True, job.gpu_bytes, dt))
             self._observe(job.hist, dt)
+
+    def _verify(self, job_id: int) -> None:
+        """Diagnostics (KVCACHE_VERIFY_DIRECT=1): spot-check a finished direct copy."""
+        ops = self._verify_ops.pop(job_id, None) if self._verify_ops is not None else None
+        if ops is None:
+            return
+        bad = self.copier.check_copy(ops)
+        self.counters["direct_verified"] += 1
+        if bad:
+            self.counters["direct_verify_failed"] += 1
+            log.error("py-kvcache: DRAM-hit job %d: %d sampled copy descriptors differ from "
+                      "the pool after the copy (dram_load_copy=%s)", job_id, bad,
+                      self.copier.direct_copy)
 
     def get_finished(self) -> list[TransferResult]:
         """Jobs finished since the last call (all reported successful; see module doc)."""

@@ -162,3 +162,48 @@ def test_dram_load_copy_without_cuda_is_dma(tmp_path, vllm_available):
     finally:
         lay.close()
         pool.close()
+
+
+def test_kernel_programs_env():
+    """KVCACHE_KERNEL_PROGRAMS: unset or empty is the default grid; zero or less is
+    refused (a grid of no programs would launch a kernel that copies nothing)."""
+    from kvcache_core.vllm.transfer import KERNEL_PROGRAMS, kernel_programs
+
+    assert kernel_programs(None) == kernel_programs("") == KERNEL_PROGRAMS
+    assert kernel_programs("66") == 66
+    for bad in ("0", "-1"):
+        with pytest.raises(ValueError, match="KVCACHE_KERNEL_PROGRAMS"):
+            kernel_programs(bad)
+
+
+def test_check_copy_finds_skipped_and_short_copies(tmp_path, vllm_available):
+    """The KVCACHE_VERIFY_DIRECT spot check: 0 after a complete pool -> KV copy; a copy
+    that skipped a descriptor, or stopped inside one, is counted."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvcache_core.layout import Layout, Namespace
+    from kvcache_core.staging import StagingPool
+    from kvcache_core.vllm.transfer import KVCopier
+
+    page, n_t, bpc = 256, 3, 4
+    g = _geometry(bpc, n_tensors=n_t, nb=64, page=page)
+    pool = StagingPool(8, 8192, pin=False)
+    pool.as_tensor()[:] = torch.randint(0, 255, (8 * 8192,), dtype=torch.uint8)
+    lay = Layout(str(tmp_path), Namespace("m", "bfloat16", 32, n_t * bpc * page))
+    try:
+        c = KVCopier(pool, HEADER_BYTES, geometry=g, layout=lay, n_staging=8)
+        ids = [40, 39, 38, 37, 9, 10, 11, 12]  # one reversed chunk, one consecutive
+        refs = g.split(GPULoadStoreSpec(ids, [8], [0]), [key(1), key(2)])
+        ops = g.batch_ops(refs, [3 * 8192 + HEADER_BYTES, 5 * 8192 + HEADER_BYTES])
+        c._run(ops, to_device=True, after=None, slot=-1)
+        assert c.check_copy(ops) == 0
+        t, k, _, n = (int(a[-1]) for a in ops)
+        g.flat[t][k + n - 1] ^= 1  # the last byte of the last descriptor never arrived
+        assert c.check_copy(ops) == 1
+        g.flat[t][k + n - 1] ^= 1
+        t, k, _, n = (int(a[0]) for a in ops)
+        g.flat[t][k:k + n].zero_()  # the first descriptor was skipped
+        assert c.check_copy(ops) >= 1
+    finally:
+        lay.close()
+        pool.close()

@@ -449,3 +449,35 @@ def test_worker_trace_marks_dram_hit_issues(tmp_path, monkeypatch, vllm_availabl
         w.shutdown()
     # the trace goes to $KVCACHE_TRACE.r<rank>.<pid>.json at shutdown
     assert list(tmp_path.glob("trace.r0.*.json"))
+    # the direct_ops event: the hit's copy descriptors (2 tensors, 2 consecutive blocks
+    # -> one run per tensor)
+    assert ev["direct_ops"][3] == 2
+
+
+def test_worker_verify_direct_spot_checks_dram_hits(tmp_path, monkeypatch, vllm_available):
+    """With ``KVCACHE_VERIFY_DIRECT=1`` every finished DRAM-hit copy is compared with the
+    DRAM tier (counters ``direct_verified`` / ``direct_verify_failed``); a destination
+    that changed before the check is reported, never silently passed."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvcache_core.vllm.job_specs import PyKVLoadSpec, PyKVStoreSpec
+
+    monkeypatch.setenv("KVCACHE_VERIFY_DIRECT", "1")
+    w = _make_worker(tmp_path / "root", dram_files=2)
+    try:
+        assert w.copier.verify_direct
+        k1 = key(1)
+        w.submit_store(1, GPULoadStoreSpec([3, 5], [2], [0]), PyKVStoreSpec([k1], [0]))
+        _run(w, 1)
+        w.submit_load(2, PyKVLoadSpec([k1], [0], [IN_SLOT]), GPULoadStoreSpec([20, 21], [2], [0]))
+        _run(w, 2)
+        assert w.counters["direct_verified"] == 1 and w.counters["direct_verify_failed"] == 0
+        # a copy whose bytes did not all arrive: the next hit's check sees it
+        w.submit_load(3, PyKVLoadSpec([k1], [0], [IN_SLOT]), GPULoadStoreSpec([30, 31], [2], [0]))
+        ops = w._verify_ops[3]
+        for t in w.kv.flat:
+            t[int(ops[1][0]):int(ops[1][0]) + 8] ^= 0xff
+        _run(w, 3)
+        assert w.counters["direct_verified"] == 2 and w.counters["direct_verify_failed"] == 1
+    finally:
+        w.shutdown()
