@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvcache_core.staging import StagingPool  # noqa: E402
-from kvcache_core.vllm.transfer import KERNEL_CHUNK_BYTES  # noqa: E402
+from kvcache_core.vllm.transfer import KERNEL_CHUNK_BYTES, kernel_descriptors  # noqa: E402
 
 
 def _register(t: torch.Tensor) -> None:
@@ -164,7 +164,7 @@ def _kernel_copy(kfn, dev: torch.device, src: np.ndarray, dst: np.ndarray,
                  sizes: np.ndarray, programs: int) -> torch.Tensor:
     """py-kvcache's ``dram_load_copy=kernel`` path (transfer._CudaExec.run): one (3, n)
     descriptor tensor copied to the GPU, one launch of vLLM's gather kernel."""
-    d = torch.from_numpy(np.stack((src, dst, sizes))).to(dev, non_blocking=True)
+    d = torch.from_numpy(kernel_descriptors(src, dst, sizes)).to(dev, non_blocking=True)
     n = int(d.shape[1])
     kfn[(min(programs, n),)](d[0], d[1], d[2], n, BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)
     return d

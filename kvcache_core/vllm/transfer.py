@@ -46,8 +46,11 @@ N_STORE_STREAMS = 8
 #: ``dram_load_copy``: vLLM's gather kernel copies this many bytes per step of a program
 #: (its own choice for pages of 8 KiB and more)
 KERNEL_CHUNK_BYTES = 8192
-#: programs (thread blocks) of one gather-kernel launch (scripts/bench_h2d.py)
-KERNEL_PROGRAMS = 32
+#: programs (thread blocks) of one gather-kernel launch: 16 of the H200's 132 SMs already
+#: read the pinned pool at 51 GB/s, as 32-132 do (docs/results/h200/h2d-kernel-s19.md)
+KERNEL_PROGRAMS = 16
+#: the kernel's descriptor count is padded to a multiple of this (:func:`kernel_descriptors`)
+KERNEL_PAD = 16
 #: "auto" uses the kernel for a DRAM hit of at least this many descriptors ...
 KERNEL_MIN_OPS = 16
 #: ... averaging below this many bytes (blocks that did not coalesce into runs)
@@ -64,6 +67,22 @@ def kernel_programs(env: str | None) -> int:
     if n < 1:
         raise ValueError(f"KVCACHE_KERNEL_PROGRAMS must be >= 1, got {env!r}")
     return n
+
+
+def kernel_descriptors(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The gather kernel's arguments as one (3, m) int64 array (source addresses,
+    destination addresses, byte sizes), ``m`` = the descriptor count rounded up to a
+    multiple of :data:`KERNEL_PAD` with zero-byte descriptors (the kernel copies nothing
+    for them). Triton compiles one variant per divisibility of its integer argument and
+    per 16-byte alignment of its pointer arguments (rows start at ``m * 8`` bytes), so a
+    fixed multiple keeps every launch on the variant compiled at start-up: the first
+    H200 kernel hit without it paid 0.35 s of compilation."""
+    n = len(sizes)
+    out = np.zeros((3, n + (-n) % KERNEL_PAD), dtype=np.int64)
+    out[0, :n] = src
+    out[1, :n] = dst
+    out[2, :n] = sizes
+    return out
 
 
 def use_gather_kernel(mode: str, sizes: np.ndarray) -> bool:
@@ -600,11 +619,16 @@ class _CudaExec:
         self.bind()
         # 0xff, so that a kernel that copied nothing cannot pass the check below
         scratch = torch.full((KERNEL_CHUNK_BYTES,), 255, dtype=torch.uint8, device=self.dev)
-        desc = torch.tensor([[self.pool_base], [scratch.data_ptr()], [KERNEL_CHUNK_BYTES]],
-                            dtype=torch.int64).to(self.dev)
+        # the same shape of arguments as every real launch (kernel_descriptors), so that
+        # Triton compiles here the one specialization the hits will use
+        desc = torch.from_numpy(kernel_descriptors(
+            np.array([self.pool_base], dtype=np.int64),
+            np.array([scratch.data_ptr()], dtype=np.int64),
+            np.array([KERNEL_CHUNK_BYTES], dtype=np.int64))).to(self.dev)
+        n = int(desc.shape[1])
         with torch.cuda.device(self.dev), torch.cuda.stream(self.direct_stream):
-            _swap_blocks_kernel[(1,)](desc[0], desc[1], desc[2], 1,
-                                      BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)
+            _swap_blocks_kernel[(min(self.kernel_programs, n),)](
+                desc[0], desc[1], desc[2], n, BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)
         self.direct_stream.synchronize()
         if not torch.equal(scratch.cpu(), self.pool_t[:KERNEL_CHUNK_BYTES]):
             raise RuntimeError("the gather kernel's test copy does not match its source")
@@ -641,8 +665,9 @@ class _CudaExec:
             if kernel and self._kfn is not None and to_device:
                 # one (3, n) descriptor tensor, one H2D copy of it, one launch: the GPU's
                 # threads read the pinned pool directly, whatever the descriptor count
-                d = torch.from_numpy(np.stack((self.pool_base + plo, self.kv_base[tix] + kvo,
-                                               szs))).to(self.dev, non_blocking=True)
+                d = torch.from_numpy(kernel_descriptors(self.pool_base + plo,
+                                                        self.kv_base[tix] + kvo, szs))
+                d = d.to(self.dev, non_blocking=True)
                 n = int(d.shape[1])
                 self._kfn[(min(self.kernel_programs, n),)](
                     d[0], d[1], d[2], n, BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)

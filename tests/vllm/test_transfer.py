@@ -207,3 +207,21 @@ def test_check_copy_finds_skipped_and_short_copies(tmp_path, vllm_available):
     finally:
         lay.close()
         pool.close()
+
+
+def test_kernel_descriptors_pad_to_one_specialization():
+    """The gather kernel's arguments: rows of source, destination and size, padded with
+    zero-byte descriptors to a multiple of KERNEL_PAD (one Triton specialization for
+    every hit, the one compiled at start-up), the real ones untouched and in order."""
+    from kvcache_core.vllm.transfer import KERNEL_PAD, kernel_descriptors
+
+    for n in (1, KERNEL_PAD - 1, KERNEL_PAD, 3 * KERNEL_PAD + 5):
+        src = np.arange(n, dtype=np.int64) * 4096 + (1 << 40)
+        dst = np.arange(n, dtype=np.int64)[::-1] * 65536 + (1 << 41)
+        sizes = np.full(n, 65536, dtype=np.int64)
+        d = kernel_descriptors(src, dst, sizes)
+        m = d.shape[1]
+        assert d.dtype == np.int64 and m % KERNEL_PAD == 0 and m - n < KERNEL_PAD
+        assert d.flags.c_contiguous and (m * 8) % 16 == 0  # rows 16-byte aligned
+        assert (d[0, :n] == src).all() and (d[1, :n] == dst).all()
+        assert (d[2, :n] == sizes).all() and not d[2, n:].any()  # padding copies nothing
