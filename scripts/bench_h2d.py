@@ -27,7 +27,8 @@ coalesced run of one KV tensor, py-kvcache's copy when vLLM gave the request con
 GPU blocks) and ``block`` (one GPU block of one layer, 64 KiB on the 3B: the copy when the
 blocks are not consecutive, and always vLLM's native one). ``--kernel-programs`` adds the
 same H2D copies done by vLLM's Triton gather kernel (``dram_load_copy=kernel``) at those
-grid sizes; its first copy of each kind is checked byte for byte at 16 random places.
+grid sizes, both directions (D2H: GPU threads write the pinned host memory, what a store
+would do); its first copy of each kind is checked byte for byte at 16 random places.
 
 Usage (GPU machine, after ``source /tmp/rt/env.sh``):
     python scripts/bench_h2d.py --gib 7 --writeback-dir /tmp/h2dwb --json $RES/h2d.json
@@ -245,13 +246,13 @@ def main() -> int:
                     sizes = torch.from_numpy(szs)
                     for engine in engines:
                         for direction in ("h2d", "d2h"):
-                            if direction == "d2h" and (cond == "writeback" or engine != "dma"):
+                            if direction == "d2h" and cond == "writeback":
                                 continue
                             src, dst = (h, g) if direction == "h2d" else (g, h)
                             s_t, d_t = torch.from_numpy(src.copy()), torch.from_numpy(dst.copy())
                             check = engine != "dma" and rep == 0 and cond == "idle"
-                            if check:
-                                gpu.zero_()
+                            if check:  # clear the destination, so the check means it
+                                (gpu if direction == "h2d" else host).zero_()
                             torch.cuda.synchronize(dev)
                             with torch.cuda.stream(stream):
                                 e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
@@ -261,7 +262,8 @@ def main() -> int:
                                     ops.swap_blocks_batch(
                                         s_t, d_t, sizes,
                                         is_src_access_order_any=direction == "h2d")
-                                else:
+                                else:  # the kernel takes any pointers: d2h writes the
+                                    # pinned host memory from GPU threads
                                     _kernel_copy(kfn, dev, src, dst, szs, int(engine[6:]))
                                 t1 = time.perf_counter()
                                 e1.record(stream)
