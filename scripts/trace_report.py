@@ -8,9 +8,10 @@ submitted, store copies finished, store and load jobs completed, and how close t
 first token the last store completion came. A first token that keeps arriving right
 after store completions says the request waited for its own stores. ``issue ms``: the
 longest time issuing a DRAM hit's copy held vLLM's model-runner thread (as long as the
-copy itself: the copy ran synchronously); ``copy ms``: that copy's GPU time (CUDA timing
-events); ``GIL wait``: the longest time the trace's probe
-thread waited for the GIL (some thread held it that long); ``gc ms``: the longest garbage
+copy itself: the copy ran synchronously); ``descs``: that copy's descriptors (one per
+GPU block and layer when vLLM's blocks were not consecutive); ``copy ms``: that copy's
+GPU time (CUDA timing events); ``GIL wait``: the longest time the trace's probe thread
+waited for the GIL (some thread held it that long); ``gc ms``: the longest garbage
 collection in the window (the collecting thread holds the GIL throughout).
 
 Usage: python scripts/trace_report.py TRACE_DIR [--json OUT]
@@ -64,6 +65,8 @@ def window(events: list, times: list[float], t0: float, t1: float) -> dict[str, 
             counts["direct_done_ms"] = (t - t0) * 1e3
         elif ev == "direct_issued":  # how long issuing that copy held the worker thread
             counts["direct_issue_ms"] = max(counts["direct_issue_ms"], n / 1e3)
+        elif ev == "direct_ops":  # that copy's descriptors (one per block when they did
+            counts["direct_ops"] = max(counts["direct_ops"], n)  # not coalesce)
         elif ev == "gil_late":  # the probe thread waited that long for the GIL
             counts["gil_late_max_ms"] = max(counts["gil_late_max_ms"], n / 1e3)
         elif ev == "direct_copy":  # that copy's own GPU time (CUDA timing events)
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'request':>16} {'tokens':>7} {'ttft ms':>9} {'stores':>6} {'copied':>6} "
               f"{'st done':>7} {'loads':>5} {'ld done':>7} {'last st->tok ms':>15} "
               f"{'steps':>5} {'launch ms':>9} {'max':>6} {'1st fwd ms':>10} {'wr MB':>7} "
-              f"{'issue ms':>8} {'copy ms':>7} {'GIL wait':>8} {'gc ms':>6}")
+              f"{'issue ms':>8} {'descs':>6} {'copy ms':>7} {'GIL wait':>8} {'gc ms':>6}")
         for rid, n_tok, t0, t1 in reqs:
             w = window(events, times, t0, t1)
             row = {"engine": name, "request": rid, "tokens": n_tok, "ttft_ms": (t1 - t0) * 1e3,
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{w.get('launch_ms', 0):>9.1f} {w.get('launch_max_ms', 0):>6.1f} "
                   f"{w.get('first_fwd_after_submit_ms', -1):>10.1f} "
                   f"{w.get('written_mb', 0):>7.0f} {w.get('direct_issue_ms', 0):>8.1f} "
-                  f"{w.get('direct_copy_ms', 0):>7.1f} "
+                  f"{w.get('direct_ops', 0):>6} {w.get('direct_copy_ms', 0):>7.1f} "
                   f"{w.get('gil_late_max_ms', 0):>8.1f} {w.get('gc_max_ms', 0):>6.1f}")
     if a.json:
         with open(a.json, "w") as f:

@@ -1034,6 +1034,7 @@ def test_trace_gil_probe_sees_a_long_gil_hold_and_the_report_shows_it(make_layou
         held = time.monotonic() - a
     time.sleep(0.02)
     r.trace_event("direct_issued", 7, 1234)
+    r.trace_event("direct_ops", 7, 114688)
     r.trace_event("direct_copy", 7, 136000)
     import gc
 
@@ -1053,6 +1054,7 @@ def test_trace_gil_probe_sees_a_long_gil_hold_and_the_report_shows_it(make_layou
     row = json.loads((tmp_path / "rows.json").read_text())[0]
     assert row["gil_late_max_ms"] >= 0.5 * held * 1e3 and row["direct_issue_ms"] == 1.234
     assert row["direct_copy_ms"] == 136.0 and "copy ms" in out
+    assert row["direct_ops"] == 114688 and "descs" in out
 
     def probes() -> int:
         return sum(t.name.endswith("-gil-probe") for t in threading.enumerate())
