@@ -63,9 +63,12 @@ def kernel_programs(env: str | None) -> int:
     zero programs would launch a kernel that copies nothing, so it is refused."""
     if not env:
         return KERNEL_PROGRAMS
-    n = int(env)
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
     if n < 1:
-        raise ValueError(f"KVCACHE_KERNEL_PROGRAMS must be >= 1, got {env!r}")
+        raise ValueError(f"KVCACHE_KERNEL_PROGRAMS must be a positive integer, got {env!r}")
     return n
 
 

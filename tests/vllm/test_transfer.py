@@ -171,7 +171,7 @@ def test_kernel_programs_env():
 
     assert kernel_programs(None) == kernel_programs("") == KERNEL_PROGRAMS
     assert kernel_programs("66") == 66
-    for bad in ("0", "-1"):
+    for bad in ("0", "-1", "many"):
         with pytest.raises(ValueError, match="KVCACHE_KERNEL_PROGRAMS"):
             kernel_programs(bad)
 
