@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvcache_core.staging import StagingPool  # noqa: E402
-from kvcache_core.vllm.transfer import KERNEL_CHUNK_BYTES, kernel_descriptors  # noqa: E402
+from kvcache_core.vllm.transfer import launch_gather  # noqa: E402
 
 
 def _register(t: torch.Tensor) -> None:
@@ -161,16 +161,6 @@ def thp_share() -> str:
         return "?"
 
 
-def _kernel_copy(kfn, dev: torch.device, src: np.ndarray, dst: np.ndarray,
-                 sizes: np.ndarray, programs: int) -> torch.Tensor:
-    """py-kvcache's ``dram_load_copy=kernel`` path (transfer._CudaExec.run): one (3, n)
-    descriptor tensor copied to the GPU, one launch of vLLM's gather kernel."""
-    d = torch.from_numpy(kernel_descriptors(src, dst, sizes)).to(dev, non_blocking=True)
-    n = int(d.shape[1])
-    kfn[(min(programs, n),)](d[0], d[1], d[2], n, BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)
-    return d
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=7.0, help="bytes moved per copy (GiB)")
@@ -264,7 +254,7 @@ def main() -> int:
                                         is_src_access_order_any=direction == "h2d")
                                 else:  # the kernel takes any pointers: d2h writes the
                                     # pinned host memory from GPU threads
-                                    _kernel_copy(kfn, dev, src, dst, szs, int(engine[6:]))
+                                    launch_gather(kfn, dev, src, dst, szs, int(engine[6:]))
                                 t1 = time.perf_counter()
                                 e1.record(stream)
                             e1.synchronize()

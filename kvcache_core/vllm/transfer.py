@@ -88,6 +88,19 @@ def kernel_descriptors(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> n
     return out
 
 
+def launch_gather(kfn: Any, dev: torch.device, src: np.ndarray, dst: np.ndarray,
+                  sizes: np.ndarray, programs: int) -> torch.Tensor:  # pragma: no cover
+    """One launch of vLLM's gather kernel ``kfn`` on the current stream: the padded
+    descriptors (:func:`kernel_descriptors`) copied to ``dev`` as one (3, m) tensor, then
+    ``min(programs, m)`` programs copy ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]``
+    (any pointers a GPU thread can dereference: device memory, page-locked host memory).
+    Returns the descriptor tensor, which must outlive the launch. Needs CUDA."""
+    d = torch.from_numpy(kernel_descriptors(src, dst, sizes)).to(dev, non_blocking=True)
+    m = int(d.shape[1])
+    kfn[(min(programs, m),)](d[0], d[1], d[2], m, BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)
+    return d
+
+
 def use_gather_kernel(mode: str, sizes: np.ndarray) -> bool:
     """Whether a DRAM hit whose (coalesced) copy descriptors have these byte ``sizes`` is
     copied by the gather kernel under ``dram_load_copy`` = ``mode``: always for "kernel",
@@ -622,16 +635,13 @@ class _CudaExec:
         self.bind()
         # 0xff, so that a kernel that copied nothing cannot pass the check below
         scratch = torch.full((KERNEL_CHUNK_BYTES,), 255, dtype=torch.uint8, device=self.dev)
-        # the same shape of arguments as every real launch (kernel_descriptors), so that
-        # Triton compiles here the one specialization the hits will use
-        desc = torch.from_numpy(kernel_descriptors(
-            np.array([self.pool_base], dtype=np.int64),
-            np.array([scratch.data_ptr()], dtype=np.int64),
-            np.array([KERNEL_CHUNK_BYTES], dtype=np.int64))).to(self.dev)
-        n = int(desc.shape[1])
+        # launched as every hit is (launch_gather), so that Triton compiles here the one
+        # specialization the hits will use
         with torch.cuda.device(self.dev), torch.cuda.stream(self.direct_stream):
-            _swap_blocks_kernel[(min(self.kernel_programs, n),)](
-                desc[0], desc[1], desc[2], n, BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)
+            launch_gather(_swap_blocks_kernel, self.dev,
+                          np.array([self.pool_base], dtype=np.int64),
+                          np.array([scratch.data_ptr()], dtype=np.int64),
+                          np.array([KERNEL_CHUNK_BYTES], dtype=np.int64), self.kernel_programs)
         self.direct_stream.synchronize()
         if not torch.equal(scratch.cpu(), self.pool_t[:KERNEL_CHUNK_BYTES]):
             raise RuntimeError("the gather kernel's test copy does not match its source")
@@ -666,15 +676,10 @@ class _CudaExec:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
             if kernel and self._kfn is not None and to_device:
-                # one (3, n) descriptor tensor, one H2D copy of it, one launch: the GPU's
-                # threads read the pinned pool directly, whatever the descriptor count
-                d = torch.from_numpy(kernel_descriptors(self.pool_base + plo,
-                                                        self.kv_base[tix] + kvo, szs))
-                d = d.to(self.dev, non_blocking=True)
-                n = int(d.shape[1])
-                self._kfn[(min(self.kernel_programs, n),)](
-                    d[0], d[1], d[2], n, BYTES_PER_CHUNK=KERNEL_CHUNK_BYTES)
-                keep = d
+                # one launch: the GPU's threads read the pinned pool directly, whatever
+                # the descriptor count
+                keep = launch_gather(self._kfn, self.dev, self.pool_base + plo,
+                                     self.kv_base[tix] + kvo, szs, self.kernel_programs)
             elif self.swap is not None:
                 kv_ptr = torch.from_numpy(self.kv_base[tix] + kvo)
                 pool_ptr = torch.from_numpy(self.pool_base + plo)

@@ -139,15 +139,13 @@ class PyKVCacheWorker(OffloadingWorker):
         #: ``fence`` and ``copy_ms`` on its handles) is what this (model-runner) thread
         #: may call
         self.copier: KVCopier = self.reactor.copier  # type: ignore[assignment]
-        if self.reactor.trace is not None and hasattr(self.copier, "time_direct"):
+        if self.reactor.trace is not None:
             self.copier.time_direct = True  # diagnostics: DRAM-hit copies' GPU time
-        if hasattr(self.copier, "set_direct_copy"):  # dram_load_copy (CUDA only)
-            self.copier.set_direct_copy(storage.dram_load_copy)
+        self.copier.set_direct_copy(storage.dram_load_copy)  # "dma" without CUDA
         #: diagnostics (env KVCACHE_VERIFY_DIRECT=1): each finished DRAM-hit copy is
         #: spot-checked against the pool (counters direct_verified / direct_verify_failed)
         self._verify_ops: dict[int, Any] | None = None
-        if os.environ.get("KVCACHE_VERIFY_DIRECT") == "1" and hasattr(self.copier,
-                                                                       "check_copy"):
+        if os.environ.get("KVCACHE_VERIFY_DIRECT") == "1":
             self.copier.verify_direct = True
             self._verify_ops = {}
         #: load jobs served entirely from the DRAM tier: job id -> copy handle
@@ -253,8 +251,7 @@ class PyKVCacheWorker(OffloadingWorker):
             self.timing["main_submit_load_s"] += dt
             if self.reactor.trace is not None:  # diagnostics: how long the issue held us
                 self.reactor.trace_event("direct_issued", job_id, int(dt * 1e6))
-                self.reactor.trace_event("direct_ops", job_id,
-                                         getattr(self.copier, "last_direct_ops", 0))
+                self.reactor.trace_event("direct_ops", job_id, self.copier.last_direct_ops)
             return True
         items = []
         for ref, slot, flag in zip(refs, src_spec.dram_slots, src_spec.flags, strict=True):
@@ -375,14 +372,14 @@ class PyKVCacheWorker(OffloadingWorker):
             job = self._jobs.pop(j)
             self._load_done(job, None)
             if self._verify_ops is not None:
-                self._verify(j)
+                self._verify(j, self._verify_ops.pop(j, None))
             dt = time.perf_counter() - job.t0
             self._results.append(TransferResult(j, True, job.gpu_bytes, dt))
             self._observe(job.hist, dt)
 
-    def _verify(self, job_id: int) -> None:
-        """Diagnostics (KVCACHE_VERIFY_DIRECT=1): spot-check a finished direct copy."""
-        ops = self._verify_ops.pop(job_id, None) if self._verify_ops is not None else None
+    def _verify(self, job_id: int, ops: Any) -> None:
+        """Diagnostics (KVCACHE_VERIFY_DIRECT=1): spot-check a finished direct copy whose
+        descriptors were ``ops`` (None: nothing was copied)."""
         if ops is None:
             return
         bad = self.copier.check_copy(ops)
@@ -584,12 +581,10 @@ class PyKVCacheWorker(OffloadingWorker):
     def _direct_timing(self) -> dict[str, float]:
         """The copier's :meth:`~kvcache_core.vllm.transfer.KVCopier.load_direct` phases
         (model-runner thread seconds), for the exported timing."""
-        dt = getattr(self.copier, "direct_timing", None)
-        if not dt:
-            return {}
+        dt = self.copier.direct_timing
         return {"direct_validate_s": dt[0], "direct_ops_s": dt[1], "direct_issue_s": dt[2],
                 "direct_issue_max_s": dt[3],
-                "direct_kernel_jobs": getattr(self.copier, "direct_kernel_jobs", 0)}
+                "direct_kernel_jobs": self.copier.direct_kernel_jobs}
 
     def _export(self, snap: dict[str, int]) -> None:
         """Append this worker's final counters and staging high-water mark as one JSON line
