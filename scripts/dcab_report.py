@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Report of ``scripts/h200_runs.sh dcab`` calls: how a DRAM hit is copied (dram_load_copy).
 
-Each ``--call LABEL=DIR`` is one device call's result directory with
-``dcab-<arm>-r<round>/longdoc-<model>.json`` inside (arm: dma, kernel, auto or native_cpu).
+Each ``--call LABEL=PATH`` is one device call's result: the step's ``dcab-<model>.json``
+(one longdoc run with ``--rounds``: configurations ``kvcache_dram_<arm>`` and
+``native_cpu``, every round's rows in ``round_results``), or, for the nineteenth session's
+calls, the result directory with ``dcab-<arm>-r<round>/longdoc-<model>.json`` inside (arm:
+dma, kernel, auto or native_cpu).
 Writes one JSON (every hit of every arm, plus per call, arm and size the median hit TTFT
 and the worker's DRAM-hit timing), a Markdown table and a PNG (each hit's TTFT, arms side
 by side, per call and size). ``--void LABEL:ARM=REASON`` keeps an arm's rows but marks
@@ -25,27 +28,48 @@ import sys
 ARM_ORDER = ("dma", "kernel", "auto", "native_cpu")
 
 
+def _arm(config: str) -> str:
+    """The arm of a configuration of the one-run format: ``kvcache_dram_<arm>`` or a
+    built-in configuration's name."""
+    return config[len("kvcache_dram_"):] if config.startswith("kvcache_dram_") else config
+
+
+def _runs(d: str) -> list[tuple[str | None, int | None, dict]]:
+    """(arm, round, result row) of one call: ``d`` a result JSON of the one-run format
+    (arm and round from each row) or a directory of per-arm runs (from the names)."""
+    if os.path.isfile(d):
+        with open(d) as f:
+            doc = json.load(f)
+        return [(None, None, r) for r in doc.get("round_results") or doc.get("results", [])
+                if "error" not in r]
+    out = []
+    for path in sorted(glob.glob(os.path.join(d, "dcab-*-r*", "longdoc-*.json"))):
+        m = re.match(r"dcab-(.+)-r(\d+)$", os.path.basename(os.path.dirname(path)))
+        if m is None:
+            continue
+        with open(path) as f:
+            doc = json.load(f)
+        out += [(m.group(1), int(m.group(2)), r) for r in doc.get("results", [])
+                if "error" not in r]
+    return out
+
+
 def load(calls: list[tuple[str, str]], void: dict[tuple[str, str], str]) -> list[dict]:
     """One row per (call, arm, round, tokens) with every hit TTFT."""
     rows = []
     for label, d in calls:
-        for path in sorted(glob.glob(os.path.join(d, "dcab-*-r*", "longdoc-*.json"))):
-            m = re.match(r"dcab-(.+)-r(\d+)$", os.path.basename(os.path.dirname(path)))
-            if m is None:
-                continue
-            arm, rnd = m.group(1), int(m.group(2))
-            with open(path) as f:
-                doc = json.load(f)
-            for r in doc.get("results", []):
-                t = ((r.get("worker_stats") or {}).get("timing_load_phase") or [{}])[0]
-                rows.append({
-                    "call": label, "arm": arm, "round": rnd, "config": r["config"],
-                    "tokens": r["tokens"], "ttft_hit_all": r["ttft_hit_all"],
-                    "ttft_hit_s": r["ttft_hit_s"], "ttft_cold_s": r["ttft_cold_s"],
-                    "direct_kernel_jobs": t.get("direct_kernel_jobs"),
-                    "direct_issue_max_s": t.get("direct_issue_max_s"),
-                    "load_job_latency_max_s": t.get("load_job_latency_max_s"),
-                    "void": void.get((label, arm))})
+        for arm, rnd, r in _runs(d):
+            arm = arm or _arm(r["config"])
+            rnd = rnd or r.get("round") or 1
+            t = ((r.get("worker_stats") or {}).get("timing_load_phase") or [{}])[0]
+            rows.append({
+                "call": label, "arm": arm, "round": rnd, "config": r["config"],
+                "tokens": r["tokens"], "ttft_hit_all": r["ttft_hit_all"],
+                "ttft_hit_s": r["ttft_hit_s"], "ttft_cold_s": r["ttft_cold_s"],
+                "direct_kernel_jobs": t.get("direct_kernel_jobs"),
+                "direct_issue_max_s": t.get("direct_issue_max_s"),
+                "load_job_latency_max_s": t.get("load_job_latency_max_s"),
+                "void": void.get((label, arm))})
     return rows
 
 

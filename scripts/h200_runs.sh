@@ -43,7 +43,9 @@ if [ -n "${GATE:-}" ]; then B+=(--gate-table "$GATE"); fi
 SFX=${SUFFIX:-}
 case "$STEP" in
   longdoc)
-    "${B[@]}" --json "$RES/longdoc-$M.json" \
+    # ROUNDS (default 1): the configuration list that many times, order reversed every
+    # other round; rows hold the medians over rounds
+    "${B[@]}" --json "$RES/longdoc-$M.json" --rounds "${ROUNDS:-1}" \
       --configs "${CONFIGS:-recompute,kvcache_dram,native_cpu,kvcache_disk,native_fs}" ;;
   gate)
     "${B[@]}" --json "$RES/longdoc-$M.json" \
@@ -103,29 +105,23 @@ case "$STEP" in
       done
     done ;;
   dcab)
-    # issue 9: how a DRAM hit is copied (dram_load_copy) - dma vs the gather kernel,
-    # kvcache_dram, rounds interleaved with the order reversed each round, then ARMS_ONCE
-    # (default: auto, and native_cpu for the ratio) once. TOKENS narrows the sizes.
-    # Results: $RES/dcab-<arm>-r<round>/longdoc-$M.json
-    # Every kvcache arm spot-checks its DRAM-hit copies against the pool
-    # (KVCACHE_VERIFY_DIRECT=1: counters direct_verified / direct_verify_failed in the log).
-    ROUNDS=${ROUNDS:-2}; ARMS=${ARMS:-dma kernel}; TOK=${TOKENS:-16384,65536}
+    # issue 9: how a DRAM hit is copied (dram_load_copy): one longdoc run of kvcache_dram
+    # variants kvcache_dram_<arm> (ARMS: dram_load_copy values; "native_cpu" adds vLLM's
+    # CPU offload as an arm) over ROUNDS rounds, the order reversed every other round,
+    # each engine spawned while the previous one runs (its imports overlap). TOKENS
+    # narrows the sizes. Result: $RES/dcab-$M.json (rows: the medians over rounds;
+    # round_results: every round's row). Every kvcache arm spot-checks its DRAM-hit
+    # copies against the pool (KVCACHE_VERIFY_DIRECT=1: counters direct_verified /
+    # direct_verify_failed in the log).
+    ROUNDS=${ROUNDS:-3}; ARMS=${ARMS:-dma auto native_cpu}; TOK=${TOKENS:-4096,16384,65536}
     export KVCACHE_VERIFY_DIRECT=${KVCACHE_VERIFY_DIRECT-1}
-    run_arm() {  # $1 arm (a dram_load_copy value or native_cpu), $2 round
-      mkdir -p "$RES/dcab-$1-r$2"
-      if [ "$1" = native_cpu ]; then
-        "${B[@]}" --no-probe --tokens "$TOK" --json "$RES/dcab-$1-r$2/longdoc-$M.json" \
-          --configs native_cpu || true
-      else
-        "${B[@]}" --no-probe --tokens "$TOK" --kv-extra "dram_load_copy=\"$1\"" \
-          --json "$RES/dcab-$1-r$2/longdoc-$M.json" --configs kvcache_dram || true
-      fi
-    }
-    for r in $(seq 1 "$ROUNDS"); do
-      order=$ARMS; [ $((r % 2)) = 0 ] && order=$(echo "$ARMS" | tr ' ' '\n' | tac | tr '\n' ' ')
-      for a in $order; do run_arm "$a" "$r"; done
+    CF=(); VA=()
+    for a in $ARMS; do
+      if [ "$a" = native_cpu ]; then CF+=(native_cpu); continue; fi
+      CF+=("kvcache_dram_$a"); VA+=(--variant "kvcache_dram_$a=kvcache_dram:dram_load_copy=\"$a\"")
     done
-    for a in ${ARMS_ONCE-auto native_cpu}; do run_arm "$a" 1; done ;;
+    "${B[@]}" --no-probe --tokens "$TOK" --rounds "$ROUNDS" "${VA[@]}" \
+      --configs "$(IFS=,; echo "${CF[*]}")" --json "$RES/dcab-$M.json" || true ;;
   trace)
     # diagnostics: per request, the reactor's events and the engine's steps (host time
     # launching each forward) inside its TTFT window; TOKENS and CONFIGS narrow a call.

@@ -331,6 +331,137 @@ def _sc_rows():
     return out
 
 
+def test_jobs_split_cold_process_configs_into_store_and_load():
+    assert L._jobs(["recompute", "kvcache_disk", "kvcache_dram"], "longdoc") == [
+        ("recompute", "both"), ("kvcache_disk", "store"), ("kvcache_disk", "load"),
+        ("kvcache_dram", "both")]
+    # scbench: one process per configuration, every turn in it
+    assert L._jobs(["kvcache_preload", "native_fs"], "scbench") == [
+        ("kvcache_preload", "both"), ("native_fs", "both")]
+
+
+def test_rounds_schedule_alternates_the_order():
+    assert L._schedule(["a", "b", "c"], 1) == [("a", 1), ("b", 1), ("c", 1)]
+    assert L._schedule(["a", "b"], 3) == [("a", 1), ("b", 1), ("b", 2), ("a", 2),
+                                          ("a", 3), ("b", 3)]
+
+
+def test_merge_rounds_medians_and_keeps_the_rounds():
+    def row(cfg, d, rnd, cold, hit, first=None):
+        return {"config": cfg, "tokens": d, "round": rnd, "ttft_cold_s": cold,
+                "ttft_hit_s": hit, "ttft_first_hit_s": first, "ttft_cold_all": [cold],
+                "ttft_hit_all": [hit, hit], "hit_docs": [0, 1]}
+
+    raw = [row("a", 1024, 1, 0.10, 0.05), row("a", 4096, 1, 0.4, 0.2),
+           row("b", 1024, 1, 0.11, 0.07, 0.3), row("b", 1024, 2, 0.13, 0.02, 0.1),
+           row("a", 1024, 2, 0.30, 0.04), row("b", 1024, 3, 0.12, 0.03, None),
+           {"config": "c", "error": "engine run failed"},
+           {"config": "c", "error": "engine run failed"}]
+    got = L.merge_rounds(raw)
+    assert [(r["config"], r.get("tokens")) for r in got] == [
+        ("a", 1024), ("a", 4096), ("b", 1024), ("c", None)]
+    a, a4, b, c = got
+    assert a["ttft_cold_s"] == pytest.approx(0.20) and a["ttft_cold_s_rounds"] == [0.10, 0.30]
+    assert a["rounds"] == 2 and a["round"] == [1, 2] and a["ttft_cold_all"] == [0.10, 0.30]
+    assert a4 is raw[1] and "rounds" not in a4  # measured once: as it was
+    assert b["ttft_hit_s"] == 0.03 and b["ttft_hit_s_rounds"] == [0.07, 0.02, 0.03]
+    # a round without a first-hit value does not count in its median
+    assert b["ttft_first_hit_s"] == pytest.approx(0.2)
+    assert b["hit_docs"] == [0, 1] * 3 and len(b["ttft_hit_all"]) == 6
+    assert c == {"config": "c", "error": "engine run failed"}
+    assert L.merge_rounds([]) == []
+
+
+def test_rounds_file_keeps_every_round_and_the_dcab_report_reads_it(tmp_path):
+    """A ``--rounds`` run's result file: ``results`` merged over rounds (one row per
+    config and size), ``round_results`` every round's row; ``scripts/dcab_report.py``
+    reads the arms (``kvcache_dram_<arm>``, ``native_cpu``) and rounds from it."""
+    raw = []
+    for rnd, order in ((1, ("dma", "auto", "native_cpu")), (2, ("native_cpu", "auto", "dma"))):
+        for arm in order:
+            cfg = arm if arm == "native_cpu" else f"kvcache_dram_{arm}"
+            base = {"dma": 0.20, "auto": 0.10, "native_cpu": 0.15}[arm] * rnd
+            raw.append({"config": cfg, "tokens": 16384, "round": rnd, "ttft_cold_s": 0.3,
+                        "concurrency": 1,
+                        "ttft_hit_s": base, "ttft_first_hit_s": None,
+                        "ttft_cold_all": [0.3, 0.3], "ttft_hit_all": [base] * 4,
+                        "hit_docs": [0, 1, 0, 1], "disk_floor_s": 1.0,
+                        "worker_stats": {"timing_load_phase": [
+                            {"direct_kernel_jobs": 2 if arm == "auto" else 0,
+                             "direct_issue_max_s": 0.001}]}})
+    path = str(tmp_path / "dcab-tiny.json")
+    args = SimpleNamespace(machine="test", docs=2, repeats=2, rounds=2, append=False,
+                           json=path, workload="longdoc", gate_json=None,
+                           gate_table_path=None, preload_json=None, _raw=raw)
+    L.save(args, L.merge_rounds(raw), float("nan"), float("nan"), 1024, "tiny")
+    doc = json.load(open(path))
+    assert doc["rounds"] == 2 and len(doc["round_results"]) == 6
+    assert [r["config"] for r in doc["results"]] == ["kvcache_dram_dma", "kvcache_dram_auto",
+                                                     "native_cpu"]
+    assert doc["results"][0]["ttft_hit_s_rounds"] == [0.2, 0.4]
+    assert "kvcache_dram_auto hit" in open(path[:-5] + ".md").read()
+    out = tmp_path / "rep"
+    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "dcab_report.py"),
+                        "--call", f"c1={path}", "--json", f"{out}.json", "--md", f"{out}.md"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    summary = {s["arm"]: s for s in json.load(open(f"{out}.json"))["summary"]}
+    assert set(summary) == {"dma", "auto", "native_cpu"}
+    assert summary["auto"]["rounds"] == 2 and summary["auto"]["hits"] == 8
+    assert summary["dma"]["median_hit_s"] == pytest.approx(0.3)  # 0.2 x4, 0.4 x4
+
+
+def test_variant_names_a_kvcache_config_with_extra_keys():
+    assert L._variant('kvcache_dram_dma=kvcache_dram:dram_load_copy="dma";io_depth=4') == (
+        "kvcache_dram_dma", "kvcache_dram", [("dram_load_copy", "dma"), ("io_depth", 4)])
+    for bad in ("kvcache_dram_dma=kvcache_dram:",  # no keys
+                "dma=kvcache_dram:io_depth=4",  # not BASE_...
+                "native_cpu_x=native_cpu:io_depth=4",  # not a py-kvcache config
+                "kvcache_dram=kvcache_dram:io_depth=4",  # a built-in name
+                "kvcache_dram_a-b=kvcache_dram:io_depth=4",
+                "kvcache_dram_x:io_depth=4"):
+        with pytest.raises(Exception, match="--variant"):
+            L._variant(bad)
+    args = SimpleNamespace(_variants={"kvcache_dram_dma": ("kvcache_dram",
+                                                           [("dram_load_copy", "dma")])})
+    assert L.base_of(args, "kvcache_dram_dma") == "kvcache_dram"
+    assert L.base_of(args, "native_cpu") == "native_cpu"
+    assert L.variant_keys(args, "kvcache_dram_dma") == [("dram_load_copy", "dma")]
+    assert L.variant_keys(args, "kvcache_dram") == []
+    # the variant's own cache root; the DRAM tier sized as its base's
+    ns = SimpleNamespace(root="/r", docs=2, staging_bytes=1, io_depth=2,
+                         preload_lookahead=0, kv_extra=[], name="kvcache_dram_dma")
+    extra = L.transfer_config("kvcache_dram", ns, 1000)["kv_connector_extra_config"]
+    assert extra["root_dir"] == "/r/kvcache_dram_dma" and extra["dram_cache_bytes"] == 2600
+    assert L._jobs(["kvcache_disk_x"], "longdoc", {"kvcache_disk_x": "kvcache_disk"}.get) == [
+        ("kvcache_disk_x", "store"), ("kvcache_disk_x", "load")]
+    assert L._row_configs([{"config": "kvcache_dram_dma"}, {"config": "recompute"},
+                           {"config": "kvcache_dram"}]) == [
+        "recompute", "kvcache_dram", "kvcache_dram_dma"]
+
+
+def test_held_worker_measures_only_when_the_driver_says(tmp_path):
+    """A worker started with ``hold`` (the next engine process is still importing) sends
+    no measured request before the driver's ``.measure`` file exists; without ``hold`` it
+    does not wait at all."""
+    part = str(tmp_path / "cfg-both.json")
+    args = SimpleNamespace(hold=True, out_part=part, config="cfg", phase="both")
+
+    async def run() -> float:
+        t0 = time.monotonic()
+        waiter = asyncio.create_task(L._await_measure(args))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()  # still held
+        open(part + ".measure", "w").close()
+        await asyncio.wait_for(waiter, 5)
+        return time.monotonic() - t0
+
+    assert asyncio.run(run()) >= 0.3
+    os.unlink(part + ".measure")
+    args.hold = False
+    asyncio.run(asyncio.wait_for(L._await_measure(args), 1))  # returns at once
+
+
 def test_scbench_table_plot_and_preload_file(tmp_path):
     rows = _sc_rows()
     md = "\n".join(SC.scbench_table(_sc_run(rows + [{"config": "recompute",
@@ -467,3 +598,8 @@ def test_mixed_preload_workload_counts_tree_reads_cpu(tmp_path):
     assert row["tree_read_bytes"] == r["tree_read_bytes"]
     assert "tree read (GB)" in open(pre[:-5] + ".md").read()
     assert r["kv_extra"] == {"eviction_policy": "arc", "writeback_max_fraction": 1.0}
+    # the load phase's process was spawned while the store phase ran, and the store
+    # phase measured only once that process had finished importing vLLM
+    assert "kvcache_nopreload/load: engine process spawned ahead" in p.stderr
+    assert "imports done" in p.stderr, p.stderr[-3000:]
+    assert "kvcache_nopreload/store: waited" in p.stderr

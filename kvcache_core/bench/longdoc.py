@@ -96,6 +96,9 @@ GATE_OF = {"kvcache_disk_gate": "disk", "kvcache_dram_gate": "dram",
            "kvcache_gate_queue": "disk"}
 #: Storage block of every offloading configuration, and the KV dtype the runs assume
 BLOCK_TOKENS = 256
+#: a held engine process (:meth:`_Child.start`) measures after this long at the latest,
+#: even if the process spawned ahead of it has not finished importing
+HOLD_MAX_S = 120.0
 DTYPE = "bfloat16"
 
 
@@ -132,7 +135,39 @@ def _kv_extra(text: str) -> tuple[str, Any]:
         return key, val
 
 
+def _variant(text: str) -> tuple[str, str, list[tuple[str, Any]]]:
+    """``NAME=BASE:KEY=JSON[;KEY=JSON...]`` of ``--variant``: the py-kvcache configuration
+    ``BASE`` with extra config keys, run and reported under ``NAME`` (a new name of
+    letters, digits and '_' that starts with ``BASE_``)."""
+    name, sep, rest = text.partition("=")
+    base, sep2, keys = rest.partition(":")
+    if not (sep and sep2 and keys and base.startswith("kvcache") and base in ALL_CONFIGS
+            and name.startswith(base + "_") and name not in ALL_CONFIGS
+            and name.replace("_", "").isalnum()):
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: expected NAME=BASE:KEY=JSON[;KEY=JSON], BASE one of "
+            + ", ".join(c for c in ALL_CONFIGS if c.startswith("kvcache"))
+            + ", NAME a new name of letters, digits and '_' starting with BASE_ (e.g. "
+            "kvcache_dram_dma=kvcache_dram:dram_load_copy=\"dma\")")
+    return name, base, [_kv_extra(kv) for kv in keys.split(";") if kv]
+
+
+def variant_keys(args, name: str) -> list[tuple[str, Any]]:
+    """The extra config keys of a ``--variant`` name (``[]`` for a built-in one)."""
+    v = getattr(args, "_variants", None) or {}
+    return list(v[name][1]) if name in v else []
+
+
+def base_of(args, name: str) -> str:
+    """The built-in configuration a ``--variant`` name stands for (``name`` itself if not
+    one)."""
+    v = getattr(args, "_variants", None) or {}
+    return v[name][0] if name in v else name
+
+
 def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
+    """The kv-transfer-config of built-in configuration ``cfg`` (py-kvcache's root is
+    named after ``args.name``, a variant's name, when set)."""
     block = {"block_size": BLOCK_TOKENS}
     if cfg in ("recompute", "recompute_cold"):
         return None
@@ -150,7 +185,8 @@ def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
         else:
             dram = 0
         extra = {**block, "spec_name": "PyKVCacheSpec", "spec_module_path": "kvcache_core.vllm",
-                 "root_dir": os.path.join(args.root, cfg), "staging_bytes": args.staging_bytes,
+                 "root_dir": os.path.join(args.root, getattr(args, "name", "") or cfg),
+                 "staging_bytes": args.staging_bytes,
                  "io_depth": args.io_depth, "lookahead": args.io_depth,
                  "dram_cache_bytes": dram,
                  "preload_lookahead": 0 if cfg == "kvcache_nopreload"
@@ -248,6 +284,7 @@ async def _worker(args) -> dict:
     try:
         # warm-up (CUDA graphs off; first kernels / allocator)
         await _ttft(engine, docs_for(512, 1, 99)[0], "warm")
+        await _await_measure(args)
         for d in tokens:
             docs = docs_for(d, args.docs, args.seed)
             row = {"tokens": d, "concurrency": args.concurrency}
@@ -326,47 +363,157 @@ async def _scbench_turns(engine, args, d: int, contexts: list[list[int]]) -> dic
 
 
 # ---------------------------------------------------------------------------- driver
+def _jobs(configs: list[str], workload: str,
+          base: Any = None) -> list[tuple[str, str]]:
+    """The engine processes of a run, in order: (config, phase); ``base`` maps a
+    ``--variant`` name to its built-in configuration."""
+    out: list[tuple[str, str]] = []
+    for cfg in configs:
+        if workload != "scbench" and (base(cfg) if base else cfg) in COLD_PROCESS:
+            out += [(cfg, "store"), (cfg, "load")]
+        else:
+            out.append((cfg, "both"))
+    return out
+
+
+class _Child:
+    """One engine process of the driver (driver thread only).
+
+    Spawned early (:meth:`spawn`, with ``--go``): the process imports vLLM and torch, then
+    waits for its go file, so the next configuration's imports (15-20 s on the H200 host
+    and on the CPU machine) overlap the current one's engine start, requests and teardown.
+    It creates no engine and touches no GPU, cache root or page cache before :meth:`start`,
+    which the driver calls only after the previous engine's process group is gone (and,
+    for a load phase, after dropping the page cache). :meth:`finish` waits for it and kills
+    its group; :meth:`cancel` kills it unused."""
+
+    def __init__(self, args, config: str, phase: str, seq: int) -> None:
+        self.config, self.phase, self.seq = config, phase, seq
+        # ``seq``: the job's place in the run; a configuration runs more than once with
+        # --rounds, and its next process may be spawned while the current one runs
+        self.part = os.path.join(args.work, f"{config}-{phase}-j{seq}.json")
+        self.go = self.part + ".go"
+        # a previous run's files
+        for ext in ("", ".go", ".go.tmp", ".ready", ".measure", ".idle", ".sampled"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.part + ext)
+        base = base_of(args, config)
+        cmd = [sys.executable, "-m", "kvcache_core.bench.longdoc", "--worker", "--config",
+               base, "--name", config, "--phase", phase, "--model", args.model, "--root", args.root,
+               "--tokens", args.tokens, "--docs", str(args.docs), "--repeats",
+               str(args.repeats), "--concurrency", str(args.concurrency), "--staging-bytes",
+               str(args.staging_bytes), "--io-depth", str(args.io_depth), "--out-part",
+               self.part, "--seed", str(args.seed), "--fresh-frac", str(args.fresh_frac),
+               "--gpu-blocks", str(args.gpu_blocks), "--preload-lookahead",
+               str(args.preload_lookahead), "--workload", args.workload,
+               "--question-tokens", str(args.question_tokens), "--hit-suffix-tokens",
+               str(args.hit_suffix_tokens), "--go", self.go]
+        for k, v in list(args.kv_extra) + variant_keys(args, config):
+            cmd += ["--kv-extra", f"{k}={json.dumps(v)}"]
+        env = dict(os.environ, PYTHONHASHSEED="0",
+                   KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"))
+        if args.trace:
+            env["KVCACHE_TRACE"] = os.path.join(args.trace, f"{config}-{phase}")
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        self.p = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.spawned = time.monotonic()
+        self.sampler: Any = None
+        self.t_go = 0.0
+
+    def ready(self) -> bool:
+        """Whether its imports are done (it waits for its go file)."""
+        return os.path.exists(self.part + ".ready")
+
+    def start(self, gate_table_path: str, sample: float, hold: bool) -> None:
+        """Let it create its engine now (the late-bound arguments go in the go file);
+        with ``sample`` > 0 sample its process tree that often (:class:`.scbench.TreeSampler`).
+        ``hold``: after its engine is up and warm it waits to send its measured requests
+        until :meth:`finish` lets it (once the process spawned ahead of it is done
+        importing), so that no import runs beside a measured request."""
+        with open(self.go + ".tmp", "w") as f:
+            json.dump({"gate_table_path": gate_table_path or "",
+                       "sample_interval": sample, "hold": hold}, f)
+        os.rename(self.go + ".tmp", self.go)
+        self.t_go = time.monotonic()
+        self.hold = hold
+        if sample > 0:
+            self.sampler = SC.TreeSampler(self.p.pid, sample, handshake=self.part).start()
+
+    def finish(self, timeout: float, quiet: Any = None) -> tuple[int, Any]:
+        """Wait for it (``timeout`` s from :meth:`start`), kill its process group: (exit
+        status, -1 on a timeout; the tree samples or None). A held process (:meth:`start`)
+        is let measure once ``quiet()`` is true (or after :data:`HOLD_MAX_S`)."""
+        samples = None
+        deadline = self.t_go + timeout
+        held = self.hold
+        rc: int | None = None
+        try:
+            while rc is None:
+                if held and (quiet is None or quiet()
+                             or time.monotonic() - self.t_go > HOLD_MAX_S):
+                    with open(self.part + ".measure", "w"):
+                        pass
+                    held = False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log(f"{self.config}/{self.phase}: timeout after {timeout}s")
+                    rc = -1
+                    break
+                try:
+                    rc = self.p.wait(timeout=min(left, 0.2) if held else left)
+                except subprocess.TimeoutExpired:
+                    continue
+        finally:
+            if self.sampler is not None:
+                samples = self.sampler.stop()
+            self.cancel()
+        return rc, samples
+
+    def cancel(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.p.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.p.wait(timeout=30)
+
+
+def _next_child(args, config: str, phase: str) -> _Child:
+    """The process for (config, phase), the run's next job (``args._jobs``, position
+    ``args._job_pos``): the one spawned ahead for it, else a new one; then spawn the job
+    after it ahead (unless ``--no-prespawn``). A spawned-ahead process for another job is
+    killed (the driver skipped it)."""
+    pre: _Child | None = getattr(args, "_pre", None)
+    args._pre = None
+    jobs = getattr(args, "_jobs", [])
+    pos = getattr(args, "_job_pos", 0)
+    if pos >= len(jobs) or jobs[pos] != (config, phase):  # not in the plan: no spawn-ahead
+        pos = -1
+    args._job_pos = pos + 1 if pos >= 0 else getattr(args, "_job_pos", 0)
+    child = None
+    if pre is not None and pos >= 0 and (pre.config, pre.phase, pre.seq) == (config, phase,
+                                                                              pos):
+        child = pre
+        log(f"{config}/{phase}: engine process spawned ahead "
+            f"{time.monotonic() - pre.spawned:.0f}s ago, imports "
+            f"{'done' if pre.ready() else 'still running'}")
+    elif pre is not None:
+        pre.cancel()
+    if child is None:
+        child = _Child(args, config, phase, pos if pos >= 0 else len(jobs) + 1000)
+    if not args.no_prespawn and 0 <= pos < len(jobs) - 1:
+        args._pre = _Child(args, *jobs[pos + 1], pos + 1)
+    return child
+
+
 def _run_child(args, config: str, phase: str, timeout: float,
                sample: float = 0.0) -> dict | None:
     """Run one engine process; with ``sample`` > 0, sample its process tree that often
     (``res["samples"]``, see :class:`.scbench.TreeSampler`)."""
-    part = os.path.join(args.work, f"{config}-{phase}.json")
-    cmd = [sys.executable, "-m", "kvcache_core.bench.longdoc", "--worker", "--config", config,
-           "--phase", phase, "--model", args.model, "--root", args.root, "--tokens",
-           args.tokens, "--docs", str(args.docs), "--repeats", str(args.repeats),
-           "--concurrency", str(args.concurrency), "--staging-bytes", str(args.staging_bytes),
-           "--io-depth", str(args.io_depth), "--out-part", part, "--seed", str(args.seed),
-           "--fresh-frac", str(args.fresh_frac), "--gpu-blocks", str(args.gpu_blocks),
-           "--preload-lookahead",
-           str(args.preload_lookahead), "--gate-table-path", args.gate_table_path or "",
-           "--workload", args.workload, "--question-tokens", str(args.question_tokens),
-           "--hit-suffix-tokens", str(args.hit_suffix_tokens),
-           "--sample-interval", str(sample)]
-    for k, v in args.kv_extra:
-        cmd += ["--kv-extra", f"{k}={json.dumps(v)}"]
-    env = dict(os.environ, PYTHONHASHSEED="0",
-               KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"))
-    if args.trace:
-        env["KVCACHE_TRACE"] = os.path.join(args.trace, f"{config}-{phase}")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    for ext in (".idle", ".sampled"):  # a previous run's handshake
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(part + ext)
-    p = subprocess.Popen(cmd, env=env, start_new_session=True)
-    sampler = SC.TreeSampler(p.pid, sample, handshake=part).start() if sample > 0 else None
-    samples = None
-    try:
-        rc = p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        log(f"{config}/{phase}: timeout after {timeout}s")
-        rc = -1
-    finally:
-        if sampler is not None:
-            samples = sampler.stop()
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    child = _next_child(args, config, phase)
+    nxt: _Child | None = args._pre
+    child.start(args.gate_table_path or "", sample, hold=nxt is not None)
+    rc, samples = child.finish(
+        timeout, quiet=None if nxt is None else lambda: nxt.ready() or nxt.p.poll() is not None)
+    part = child.part
     if rc != 0 or not os.path.exists(part):
         log(f"{config}/{phase}: failed rc={rc}")
         return None
@@ -378,6 +525,42 @@ def _run_child(args, config: str, phase: str, timeout: float,
         with open(os.path.join(args.trace, f"{config}-{phase}.requests.json"), "w") as f:
             json.dump(res.get("req_log", []), f)
     return res
+
+
+async def _await_measure(args) -> None:
+    """A held worker (see :meth:`_Child.start`): engine up and warm, wait for the driver's
+    ``.measure`` file before the measured requests."""
+    if not getattr(args, "hold", False):
+        return
+    t0 = time.perf_counter()
+    parent = os.getppid()
+    while not os.path.exists(args.out_part + ".measure"):
+        if os.getppid() != parent:
+            raise SystemExit("longdoc worker: the driver is gone")
+        await asyncio.sleep(0.05)
+    log(f"{args.config}/{args.phase}: waited {time.perf_counter() - t0:.1f}s for the next "
+        "engine process's imports")
+
+
+def _await_go(path: str, poll: float = 0.05) -> dict:
+    """Worker spawned ahead (``--go``): import what the engine needs, say so (``.ready``
+    next to the part file), then wait for the driver's go file and return its JSON (the
+    late-bound arguments). Exits if the driver goes away meanwhile."""
+    t0 = time.perf_counter()
+    import torch  # noqa: F401 - importing is the point: it overlaps the previous engine
+    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
+    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+
+    ready = path[:-len(".go")] + ".ready"
+    with open(ready, "w") as f:
+        f.write(f"{time.perf_counter() - t0:.1f}\n")
+    parent = os.getppid()
+    while not os.path.exists(path):
+        if os.getppid() != parent:
+            raise SystemExit("longdoc worker: the driver is gone")
+        time.sleep(poll)
+    with open(path) as f:
+        return json.load(f)
 
 
 def _first_access(lrow: dict) -> list[float]:
@@ -533,6 +716,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--out-part", help=argparse.SUPPRESS)
     ap.add_argument("--gate-table-path", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--go", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--name", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", action="append", default=[], type=_variant,
+                    metavar="NAME=BASE:KEY=JSON[;KEY=JSON]",
+                    help="a py-kvcache configuration BASE with extra config keys, run as "
+                         "its own configuration NAME (list it in --configs), e.g. "
+                         "kvcache_dram_dma=kvcache_dram:dram_load_copy=\"dma\"; "
+                         "--workload longdoc only")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the --configs list this many times, the order reversed every "
+                         "other round (A B C, C B A, ...), each configuration in new engine "
+                         "processes; each row then holds the median over rounds of "
+                         "ttft_cold_s / ttft_hit_s / ttft_first_hit_s and the per-round "
+                         "values in *_rounds; --workload longdoc only")
+    ap.add_argument("--no-prespawn", action="store_true",
+                    help="start each engine process only when its turn comes (default: the "
+                         "next one is spawned while the current one runs, so its vLLM "
+                         "import overlaps; it creates its engine only when the previous "
+                         "one is gone; always off for --workload scbench, whose host "
+                         "memory series would include it)")
     return ap
 
 
@@ -628,10 +831,19 @@ def _scbench_results(args, cfg: str, res: dict, kvb: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     args = resolve_defaults(build_parser().parse_args(argv))
     if args.worker:
+        if args.go:
+            late = _await_go(args.go)
+            args.gate_table_path = late.get("gate_table_path", "")
+            args.sample_interval = late.get("sample_interval", 0.0)
+            args.hold = bool(late.get("hold", False))
         res = asyncio.run(_worker(args))
         with open(args.out_part, "w") as f:
             json.dump(res, f)
-        return 0
+        # the engine is shut down and the result written: skip the interpreter's teardown
+        # (seconds of torch / vLLM finalizers the driver would wait for)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     os.makedirs(args.root, exist_ok=True)
     if args.trace:
@@ -641,9 +853,15 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.work, exist_ok=True)
     model_name = os.path.basename(os.path.normpath(args.model))
     configs = [c for c in args.configs.split(",") if c]
-    bad = [c for c in configs if c not in ALL_CONFIGS]
+    args._variants = {n: (b, kv) for n, b, kv in args.variant}
+    bad = [c for c in configs if c not in ALL_CONFIGS and c not in args._variants]
     if bad:
-        raise SystemExit(f"unknown config(s) {bad}; choose from {ALL_CONFIGS}")
+        raise SystemExit(f"unknown config(s) {bad}; choose from {ALL_CONFIGS} or a "
+                         "--variant name")
+    if (args.variant or args.rounds != 1) and args.workload != "longdoc":
+        raise SystemExit("--variant and --rounds are for --workload longdoc only")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     if args.resume and args.append and args.json and os.path.exists(args.json):
         with open(args.json) as f:
             done = {r["config"] for r in json.load(f).get("results", []) if "error" not in r}
@@ -662,9 +880,82 @@ def main(argv: list[str] | None = None) -> int:
     kvb = kv_bytes_per_token(args.model)
     results: list[dict] = []
     out = save(args, results, disk, pcie, kvb, model_name)
-    for n, cfg in enumerate(configs, 1):
-        log(f"[{n}/{len(configs)}] {cfg}")
-        if cfg in GATE_OF:
+    schedule = _schedule(configs, args.rounds)
+    args._jobs = _jobs([c for c, _ in schedule], args.workload, lambda c: base_of(args, c))
+    if args.workload == "scbench":
+        args.no_prespawn = True
+    try:
+        out = _run_configs(args, schedule, results, disk, pcie, kvb, model_name, out)
+    finally:
+        if getattr(args, "_pre", None) is not None:  # spawned ahead, never started
+            args._pre.cancel()
+    print(json.dumps({k: v for k, v in out.items() if k != "results"}, indent=1))
+    return 0
+
+
+def _schedule(configs: list[str], rounds: int) -> list[tuple[str, int]]:
+    """(configuration, round) in run order: the list, then reversed, then the list ...
+    (so that no configuration always runs right after the same neighbour)."""
+    out: list[tuple[str, int]] = []
+    for r in range(1, rounds + 1):
+        out += [(c, r) for c in (configs if r % 2 else configs[::-1])]
+    return out
+
+
+#: per-row values that ``--rounds`` reports as the median over rounds (``<key>_rounds``:
+#: each round's value)
+ROUND_KEYS = ("ttft_cold_s", "ttft_hit_s", "ttft_first_hit_s", "mean_ttft_s",
+              "median_ttft_s", "p90_ttft_s")
+
+
+def merge_rounds(raw: list[dict]) -> list[dict]:
+    """One row per (config, tokens) from the rows of every round (``round`` key): a row
+    measured in one round only is returned as is; otherwise the first round's row with
+    :data:`ROUND_KEYS` replaced by their median over the rounds (``<key>_rounds``: the
+    per-round values, in round order), the raw TTFT lists concatenated, ``rounds``: how
+    many. Error rows are kept as they are."""
+    groups: dict[tuple, list[dict]] = {}
+    order: list[tuple] = []
+    for r in raw:
+        k = (r["config"], r.get("tokens"), "error" in r)
+        if k not in groups:
+            groups[k] = []
+            order.append(k)
+        groups[k].append(r)
+    out = []
+    for k in order:
+        rows = groups[k]
+        if len(rows) == 1 or k[2]:
+            out += rows[:1] if k[2] else rows
+            continue
+        m = dict(rows[0])
+        for key in ROUND_KEYS:
+            vals = [r.get(key) for r in rows]
+            m[key + "_rounds"] = vals
+            got = [v for v in vals if v is not None]
+            m[key] = statistics.median(got) if got else None
+        for key in ("ttft_cold_all", "ttft_hit_all", "hit_docs"):
+            if all(r.get(key) is not None for r in rows):
+                m[key] = [x for r in rows for x in r[key]]
+        m["rounds"] = len(rows)
+        m["round"] = [r.get("round") for r in rows]
+        out.append(m)
+    return out
+
+
+def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], disk: float,
+                 pcie: float, kvb: int, model_name: str, out: dict) -> dict:
+    """Run every (configuration, round)'s engine process(es) in turn and put its rows in
+    ``results`` (merged over rounds, :func:`merge_rounds`; the result files are rewritten
+    after each). Returns the last save."""
+    raw: list[dict] = []
+    args._raw = raw  # save() writes them as round_results
+    for n, (cfg, rnd) in enumerate(schedule, 1):
+        results[:] = merge_rounds(raw) if args.rounds > 1 else raw
+        log(f"[{n}/{len(schedule)}] {cfg}" + (f", round {rnd}" if args.rounds > 1 else ""))
+        base = base_of(args, cfg)
+        mark = len(raw)
+        if base in GATE_OF:
             _ensure_gate_table(args, results, model_name)
         shutil.rmtree(os.path.join(args.root, cfg), ignore_errors=True)
         for stale in ("store", "load", "both"):
@@ -674,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload == "scbench":
             store = load = _run_child(args, cfg, "both", args.timeout, args.sample_interval)
             dropped = None
-        elif cfg in COLD_PROCESS:
+        elif base in COLD_PROCESS:
             store = _run_child(args, cfg, "store", args.timeout)
             dropped = drop_caches()
             load = _run_child(args, cfg, "load", args.timeout, args.sample_interval)
@@ -684,11 +975,12 @@ def main(argv: list[str] | None = None) -> int:
         stats, lstats = _load_stats(args, cfg)
         sched = _scheduler_stats(args, cfg)
         if not store or not load:
-            results.append({"config": cfg, "error": "engine run failed"})
+            raw.append({"config": cfg, "error": "engine run failed"})
+            results[:] = merge_rounds(raw) if args.rounds > 1 else raw
             out = save(args, results, disk, pcie, kvb, model_name)
             continue
         if args.workload == "scbench":
-            results += _scbench_results(args, cfg, load, kvb)
+            raw += _scbench_results(args, cfg, load, kvb)
         deltas = [] if args.workload == "scbench" else _store_counter_deltas(store["rows"])
         for srow, lrow, sc in zip(store["rows"], load["rows"], deltas, strict=False):
             d = srow["tokens"]
@@ -704,8 +996,13 @@ def main(argv: list[str] | None = None) -> int:
                    "kv_bytes": d * kvb, "disk_floor_s": floor, "page_cache_dropped": dropped,
                    "store_counters": sc,
                    **_summary(hits, lrow.get("hit_docs") or [0] * len(hits))}
-            if args.kv_extra and cfg.startswith("kvcache"):
-                row["kv_extra"] = dict(args.kv_extra)
+            keys = list(args.kv_extra) + variant_keys(args, cfg)
+            if keys and base.startswith("kvcache"):
+                row["kv_extra"] = dict(keys)
+            if base != cfg:
+                row["base"] = base
+            if args.rounds > 1:
+                row["round"] = rnd
             reqs = load.get("req_log") or []
             if load.get("samples") and reqs and len(load["rows"]) == 1:
                 # every config alike, while the load phase's requests were in flight (not
@@ -717,14 +1014,14 @@ def main(argv: list[str] | None = None) -> int:
                 row["tree_read_bytes"] = SC.window_delta(load["samples"], "read_bytes", t0, t1)
                 row["page_cache_growth_bytes"] = SC.window_delta(
                     load["samples"], "page_cache_bytes", t0, t1)
-            results.append(row)
+            raw.append(row)
         if stats:
             peak = max(s.get("peak_staging_bytes", 0) for s in stats)
             budget = max(s.get("staging_budget_bytes", 0) for s in stats)
             diag = {"timing_store_phase": [s.get("timing") for s in stats if s not in lstats],
                     "timing_load_phase": [s.get("timing") for s in lstats],
                     "reactor_timing": [s.get("reactor_timing") for s in stats]}
-            for r in results:
+            for r in raw[mark:]:
                 if r["config"] == cfg:
                     r["peak_staging_bytes"] = peak
                     r["staging_budget_bytes"] = budget
@@ -734,12 +1031,12 @@ def main(argv: list[str] | None = None) -> int:
                     r[key] = sum(s.get("bytes_read", 0) for s in lstats)
                     r["worker_stats"] = diag
                     r["scheduler_stats"] = sched
-                    if cfg in GATE_OF:
+                    if base in GATE_OF:
                         r["gate_table"] = args.gate_table_path
         shutil.rmtree(os.path.join(args.root, cfg), ignore_errors=True)
+        results[:] = merge_rounds(raw) if args.rounds > 1 else raw
         out = save(args, results, disk, pcie, kvb, model_name)  # after every config
-    print(json.dumps({k: v for k, v in out.items() if k != "results"}, indent=1))
-    return 0
+    return out
 
 
 def save(args, results: list[dict], disk: float, pcie: float, kvb: int,
@@ -751,7 +1048,10 @@ def save(args, results: list[dict], disk: float, pcie: float, kvb: int,
     out = {"machine": args.machine or _gpu_name(), "gpu": _gpu_name(), "model": model_name,
            "kv_bytes_per_token": kvb, "disk_read_gbps": disk, "pcie_h2d_gbps": pcie,
            "block_size": BLOCK_TOKENS, "dtype": DTYPE, "docs": args.docs,
-           "repeats": args.repeats, "results": list(results)}
+           "repeats": args.repeats, "rounds": getattr(args, "rounds", 1),
+           "results": list(results)}
+    if out["rounds"] > 1:  # every round's own rows, in run order
+        out["round_results"] = list(getattr(args, "_raw", None) or [])
     if args.append and args.json and os.path.exists(args.json):
         with open(args.json) as f:
             old = json.load(f)
@@ -887,14 +1187,25 @@ def _hit(r: dict) -> float:
     return r["ttft_hit_s"]
 
 
+def _row_configs(rows: list[dict]) -> list[str]:
+    """The configurations of ``rows``: the built-in ones in :data:`ALL_CONFIGS` order, then
+    ``--variant`` names in the order they first appear."""
+    seen = [r["config"] for r in rows]
+    return ([c for c in ALL_CONFIGS if c in seen]
+            + [c for c in dict.fromkeys(seen) if c not in ALL_CONFIGS])
+
+
 def write_table(out: dict, path: str) -> None:
     rows = [r for r in out["results"] if "ttft_hit_s" in r]
     sizes = sorted({r["tokens"] for r in rows})
-    cfgs = [c for c in ALL_CONFIGS if any(r["config"] == c for r in rows)]
+    cfgs = _row_configs(rows)
     lines = [f"# Long-document TTFT: {out['model']} on {out['machine']}", "",
              f"KV {out['kv_bytes_per_token']} B/token; disk read {out['disk_read_gbps']:.2f} "
              f"GB/s, pinned H2D {out['pcie_h2d_gbps']:.1f} GB/s (same run). Medians of "
-             f"{out['docs']} docs x {out['repeats']} repeats, concurrency "
+             f"{out['docs']} docs x {out['repeats']} repeats"
+             + (f", then the median over {out['rounds']} rounds (engines restarted, "
+                "order reversed every other round)" if out.get("rounds", 1) > 1 else "")
+             + ", concurrency "
              f"{', '.join(str(c) for c in sorted({r['concurrency'] for r in rows}))}, "
              "one output token, "
              "GPU prefix cache off. Hit TTFT in seconds (cold TTFT of recompute in the first "
@@ -949,7 +1260,7 @@ def plot(out: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     rows = [r for r in out["results"] if "ttft_hit_s" in r]
-    for cfg in ALL_CONFIGS:
+    for cfg in _row_configs(rows):
         pts = sorted((r["tokens"], _hit(r)) for r in rows if r["config"] == cfg)
         if not pts:
             continue
