@@ -411,6 +411,24 @@ def test_rounds_file_keeps_every_round_and_the_dcab_report_reads_it(tmp_path):
     assert summary["dma"]["median_hit_s"] == pytest.approx(0.3)  # 0.2 x4, 0.4 x4
 
 
+def test_small_sizes_take_more_documents_within_the_tier_budget():
+    a = SimpleNamespace(workload="longdoc", docs=2, small_docs=8,
+                        tokens="1024,4096,16384,65536")
+    assert [L.n_docs(a, d) for d in (1024, 4096, 16384, 65536)] == [8, 8, 2, 2]
+    a.tokens = "1024,4096"  # 2 x 4096 tokens is the tiers' size: 8 x 1024 fit, 4096 not
+    assert [L.n_docs(a, d) for d in (1024, 4096)] == [8, 2]
+    a.tokens = "2048,4096"
+    assert L.n_docs(a, 2048) == 4
+    a.small_docs = 0
+    assert L.n_docs(a, 1024) == 2
+    a.small_docs, a.workload = 8, "mixed"
+    assert L.n_docs(a, 1024) == 2
+    rows = [{"tokens": 1024, "docs": 8}, {"tokens": 4096, "docs": 8},
+            {"tokens": 65536, "docs": 2}]
+    assert L._small_docs_note({"docs": 2}, rows) == " (8 at 1024, 4096 tokens)"
+    assert L._small_docs_note({"docs": 2}, rows[2:]) == ""
+
+
 def test_variant_names_a_kvcache_config_with_extra_keys():
     assert L._variant('kvcache_dram_dma=kvcache_dram:dram_load_copy="dma";io_depth=4') == (
         "kvcache_dram_dma", "kvcache_dram", [("dram_load_copy", "dma"), ("io_depth", 4)])

@@ -286,7 +286,7 @@ async def _worker(args) -> dict:
         await _ttft(engine, docs_for(512, 1, 99)[0], "warm")
         await _await_measure(args)
         for d in tokens:
-            docs = docs_for(d, args.docs, args.seed)
+            docs = docs_for(d, n_docs(args, d), args.seed)
             row = {"tokens": d, "concurrency": args.concurrency}
             if args.workload == "scbench":
                 row.update(await _scbench_turns(engine, args, d, docs))
@@ -400,7 +400,8 @@ class _Child:
         base = base_of(args, config)
         cmd = [sys.executable, "-m", "kvcache_core.bench.longdoc", "--worker", "--config",
                base, "--name", config, "--phase", phase, "--model", args.model, "--root", args.root,
-               "--tokens", args.tokens, "--docs", str(args.docs), "--repeats",
+               "--tokens", args.tokens, "--docs", str(args.docs), "--small-docs",
+               str(args.small_docs), "--repeats",
                str(args.repeats), "--concurrency", str(args.concurrency), "--staging-bytes",
                str(args.staging_bytes), "--io-depth", str(args.io_depth), "--out-part",
                self.part, "--seed", str(args.seed), "--fresh-frac", str(args.fresh_frac),
@@ -656,6 +657,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma-separated, from: {', '.join(ALL_CONFIGS)}")
     ap.add_argument("--docs", type=int, default=None,
                     help="documents per size (default 2; scbench: 4 shared contexts)")
+    ap.add_argument("--small-docs", type=int, default=8,
+                    help=f"documents per size below {SMALL_TOKENS} tokens (--workload "
+                         "longdoc; default 8; at most --docs documents' worth of the largest "
+                         "size's tokens; 0: --docs for every size)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="hits per document (default 2); scbench: rounds of turns, the "
                     "first one cold (default 6)")
@@ -790,6 +795,23 @@ def _summary(ttfts: list[float], order: list[int]) -> dict:
             "mean_ttft_reuse_s": statistics.fmean(reuse) if reuse else None,
             "mean_ttft_noreuse_s": statistics.fmean(fresh) if fresh else None,
             "n_requests": len(ttfts), "n_noreuse": len(fresh)}
+
+
+#: ``--small-docs`` applies to document sizes below this many tokens
+SMALL_TOKENS = 16384
+
+
+def n_docs(args, d: int) -> int:
+    """Documents of ``d`` tokens in a run: ``--docs``; in the longdoc workload, sizes below
+    :data:`SMALL_TOKENS` take up to ``--small-docs`` (a 1k request's TTFT is 15-30 ms and
+    varies by several ms from request to request, so two documents cannot show a 5 %
+    difference), but never more tokens than ``--docs`` documents of the largest size, so
+    the DRAM / CPU tiers (sized for those) still hold every document of the size."""
+    small = getattr(args, "small_docs", 0) or 0
+    if args.workload != "longdoc" or d >= SMALL_TOKENS or small <= args.docs:
+        return args.docs
+    biggest = max(int(t) for t in str(args.tokens).split(","))
+    return max(args.docs, min(small, args.docs * biggest // d))
 
 
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -988,6 +1010,7 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
             first = _first_access(lrow)
             hits = lrow["ttft_hit_all"]
             row = {"config": cfg, "tokens": d, "concurrency": args.concurrency,
+                   "docs": n_docs(args, d),
                    "ttft_cold_s": statistics.median(srow["ttft_cold_all"]),
                    "ttft_hit_s": statistics.median(hits),
                    "ttft_first_hit_s": statistics.median(first) if first else None,
@@ -1195,6 +1218,20 @@ def _row_configs(rows: list[dict]) -> list[str]:
             + [c for c in dict.fromkeys(seen) if c not in ALL_CONFIGS])
 
 
+def _small_docs_note(out: dict, rows: list[dict]) -> str:
+    """`` (8 at 1024, 4096 tokens)`` where sizes ran with other than ``out["docs"]``
+    documents (``--small-docs``), else empty."""
+    by: dict[int, list[int]] = {}
+    for r in rows:
+        n = r.get("docs", out["docs"])
+        if n != out["docs"] and r["tokens"] not in by.get(n, []):
+            by.setdefault(n, []).append(r["tokens"])
+    if not by:
+        return ""
+    return " (" + "; ".join(f"{n} at {', '.join(str(t) for t in sorted(ts))} tokens"
+                            for n, ts in sorted(by.items())) + ")"
+
+
 def write_table(out: dict, path: str) -> None:
     rows = [r for r in out["results"] if "ttft_hit_s" in r]
     sizes = sorted({r["tokens"] for r in rows})
@@ -1202,7 +1239,7 @@ def write_table(out: dict, path: str) -> None:
     lines = [f"# Long-document TTFT: {out['model']} on {out['machine']}", "",
              f"KV {out['kv_bytes_per_token']} B/token; disk read {out['disk_read_gbps']:.2f} "
              f"GB/s, pinned H2D {out['pcie_h2d_gbps']:.1f} GB/s (same run). Medians of "
-             f"{out['docs']} docs x {out['repeats']} repeats"
+             f"{out['docs']} docs{_small_docs_note(out, rows)} x {out['repeats']} repeats"
              + (f", then the median over {out['rounds']} rounds (engines restarted, "
                 "order reversed every other round)" if out.get("rounds", 1) > 1 else "")
              + ", concurrency "
