@@ -59,8 +59,20 @@ series; ``disk_read_bytes`` is the tree's read_bytes over the turns (``cache_byt
 py-kvcache's own counter); the table and PNG next to ``--json`` show TTFT per turn, host
 memory and disk read throughput over time (``kvcache_core/bench/scbench.py``).
 
+Rounds and variants (``--workload longdoc``): ``--rounds N`` runs the configuration list N
+times, the order reversed every other round; each row then holds the medians over the
+rounds and ``round_results`` every round's rows. ``--variant NAME=BASE:KEY=JSON`` adds a
+py-kvcache configuration with extra config keys under its own name (an A/B of one key in
+one run). Sizes below 16k tokens take up to ``--small-docs`` documents (default 8).
+
+Engine processes: the driver spawns the next one while the current one runs, so its
+vLLM import overlaps; it creates its engine only once the previous one is gone, and the
+running engine sends its measured requests only once the next process has finished
+importing (``--no-prespawn``: one after another, as before).
+
 Usage: python -m kvcache_core.bench.longdoc --model DIR --root DIR --json OUT.json
        [--tokens 1024,4096,16384,65536] [--configs ...] [--docs 2] [--repeats 2]
+       [--small-docs 8] [--rounds N] [--variant NAME=BASE:KEY=JSON[;KEY=JSON]]
        [--concurrency 1] [--gate-table auto|PATH --gate-json G.json]
        [--preload-json P.json --workload longdoc|mixed|scbench]
 (``scripts/bench_longdoc.py`` is the same program.)
