@@ -555,6 +555,13 @@ def test_end_to_end_openai_server_cpu(tmp_path):
         assert r["throughput_rps"] > 0 and r["mean_itl_s"] > 0
         assert len(r["ttft_all"]) == 12
         assert r["cached_prompt_frac"] > 0  # later turns hit the GPU prefix cache
+        # vLLM's own view of the round, read from its /metrics around and during it
+        eng = r["engine"]
+        assert eng["requests"] == 12 and eng["preemptions"] >= 0, eng
+        assert eng["mean_queue_time_s"] >= 0 and eng["mean_prefill_time_s"] > 0, eng
+        assert 0 < eng["prefix_hit_frac"] <= 1, eng
+        assert eng["max_kv_usage"] is None or 0 <= eng["max_kv_usage"] <= 1, eng
+    assert re.search(r"prefix_cache: engine: queue [0-9.]+ ms a request", p.stderr)
     kv = rows["kvcache_disk"]
     assert kv["stores"] > 0 and kv["bytes_written"] > 0, kv
     # what an operator's Prometheus scrapes from vllm serve's /metrics (issue 13 item 2)
@@ -605,6 +612,34 @@ def test_end_to_end_parallel_rounds_on_idle_servers_cpu(tmp_path):
             assert rnd["quiet_start"] is True and 0 < rnd["quiesce_s"] < 20, rnd
     kv = next(r for r in res["results"] if r["config"] == "kvcache_dram")
     assert kv["stores"] > 0
+
+
+def test_engine_summary_of_a_round():
+    before = {"vllm:request_queue_time_seconds_sum": 1.0,
+              "vllm:request_queue_time_seconds_count": 10,
+              "vllm:request_prefill_time_seconds_sum": 2.0,
+              "vllm:request_prefill_time_seconds_count": 10,
+              "vllm:num_preemptions_total": 1, "vllm:prefix_cache_hits_total": 100,
+              "vllm:prefix_cache_queries_total": 400}
+    after = {"vllm:request_queue_time_seconds_sum": 3.0,
+             "vllm:request_queue_time_seconds_count": 14,
+             "vllm:request_prefill_time_seconds_sum": 2.4,
+             "vllm:request_prefill_time_seconds_count": 14,
+             "vllm:num_preemptions_total": 3, "vllm:prefix_cache_hits_total": 400,
+             "vllm:prefix_cache_queries_total": 1000}
+    samples = [{"vllm:num_requests_waiting": 0, "vllm:kv_cache_usage_perc": 0.5},
+               {"vllm:num_requests_waiting": 3, "vllm:kv_cache_usage_perc": 0.9,
+                "vllm:num_requests_running": 7}]
+    e = S.engine_summary(before, after, samples)
+    assert e["requests"] == 4 and e["preemptions"] == 2 and e["samples"] == 2
+    assert e["mean_queue_time_s"] == pytest.approx(0.5)
+    assert e["mean_prefill_time_s"] == pytest.approx(0.1)
+    assert e["prefix_hit_frac"] == pytest.approx(0.5)
+    assert e["external_hit_frac"] is None  # no external queries (no connector)
+    assert e["max_waiting"] == 3 and e["mean_kv_usage"] == pytest.approx(0.7)
+    assert e["max_running"] == 7 and e["mean_running"] == 7
+    assert S.engine_summary(before, {}, samples) == {}  # /metrics did not answer
+    assert S.engine_summary({}, after, [])["max_waiting"] is None
 
 
 def test_kv_extra_reaches_every_py_kvcache_config_only(tmp_path):

@@ -850,6 +850,88 @@ def scrape_metrics(port: int, prefixes: tuple[str, ...] = ("vllm:pykvcache_",)
     return out
 
 
+#: vLLM's own scheduler metrics read around every round (all configurations alike):
+#: counters and histograms (deltas over the round) and gauges (sampled during it)
+ENGINE_COUNTERS = ("vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
+                   "vllm:request_prefill_time_seconds_sum",
+                   "vllm:request_prefill_time_seconds_count", "vllm:num_preemptions_total",
+                   "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                   "vllm:external_prefix_cache_hits_total",
+                   "vllm:external_prefix_cache_queries_total")
+ENGINE_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                 "vllm:kv_cache_usage_perc")
+#: how often the gauges are sampled during a round (one GET /metrics each)
+ENGINE_SAMPLE_S = 1.0
+
+
+class EngineSampler:
+    """Samples a server's scheduler gauges (:data:`ENGINE_GAUGES`) every ``interval`` s
+    on its own thread while a round runs, and reads :data:`ENGINE_COUNTERS` at
+    :meth:`start` and :meth:`stop`. :meth:`stop` returns the round's figures (see
+    :func:`engine_summary`); a server whose /metrics does not answer gives ``{}``.
+    Driver thread: ``start`` then ``stop``, once."""
+
+    def __init__(self, port: int, interval: float = ENGINE_SAMPLE_S) -> None:
+        import threading
+
+        self.port, self.interval = port, interval
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-sampler")
+        self.before: dict[str, float] = {}
+
+    def start(self) -> EngineSampler:
+        self.before = scrape_metrics(self.port, ENGINE_COUNTERS)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            m = scrape_metrics(self.port, ENGINE_GAUGES)
+            if m:
+                self.samples.append(m)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(timeout=15)
+        after = scrape_metrics(self.port, ENGINE_COUNTERS)
+        return engine_summary(self.before, after, self.samples)
+
+
+def engine_summary(before: dict[str, float], after: dict[str, float],
+                   samples: list[dict[str, float]]) -> dict:
+    """One round's scheduler figures from vLLM's metrics: mean queue time and prefill time
+    of the requests that finished in it, preemptions, GPU and external prefix-cache hit
+    fractions (token counts), and the largest / mean of the sampled gauges (requests
+    waiting and running, KV cache usage as a fraction). ``{}`` when nothing was read."""
+    if not after:
+        return {}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ENGINE_COUNTERS}
+
+    def ratio(a: str, b: str) -> float | None:
+        return d[a] / d[b] if d[b] > 0 else None
+
+    out: dict[str, Any] = {
+        "requests": int(d["vllm:request_queue_time_seconds_count"]),
+        "mean_queue_time_s": ratio("vllm:request_queue_time_seconds_sum",
+                                   "vllm:request_queue_time_seconds_count"),
+        "mean_prefill_time_s": ratio("vllm:request_prefill_time_seconds_sum",
+                                     "vllm:request_prefill_time_seconds_count"),
+        "preemptions": int(d["vllm:num_preemptions_total"]),
+        "prefix_hit_frac": ratio("vllm:prefix_cache_hits_total",
+                                 "vllm:prefix_cache_queries_total"),
+        "external_hit_frac": ratio("vllm:external_prefix_cache_hits_total",
+                                   "vllm:external_prefix_cache_queries_total"),
+        "samples": len(samples)}
+    for g, name in (("vllm:num_requests_waiting", "waiting"),
+                    ("vllm:num_requests_running", "running"),
+                    ("vllm:kv_cache_usage_perc", "kv_usage")):
+        vals = [m[g] for m in samples if g in m]
+        out[f"max_{name}"] = max(vals) if vals else None
+        out[f"mean_{name}"] = statistics.fmean(vals) if vals else None
+    return out
+
+
 def read_counters(path: str, since: float | None = None) -> dict:
     """py-kvcache's counters from $KVCACHE_STATS_FILE ({} when absent); ``since``: a
     write at or after that ``time.time()`` (waited for briefly)."""
@@ -1025,9 +1107,19 @@ class Server:
             return row
         assert self.proc is not None
         log(f"{cfg}: replaying {len(reqs)} requests at {args.rate} req/s")
-        recs, wall = asyncio.run(replay(self.port, self.name, reqs, args.rate,
-                                        args.seed + rnd, deadline, tag=f"{cfg}:"))
+        sampler = EngineSampler(self.port).start()
+        try:
+            recs, wall = asyncio.run(replay(self.port, self.name, reqs, args.rate,
+                                            args.seed + rnd, deadline, tag=f"{cfg}:"))
+        finally:
+            eng = sampler.stop()
         row.update(summarize(recs, wall))
+        if eng:  # vLLM's own view of the round: did requests queue, was KV full
+            row["engine"] = eng
+            log(f"{cfg}: engine: queue {_f(_ms(eng['mean_queue_time_s']), 1)} ms a request, "
+                f"prefill {_f(_ms(eng['mean_prefill_time_s']), 1)} ms, preemptions "
+                f"{eng['preemptions']}, waiting max {_f(eng['max_waiting'], 0)}, KV usage "
+                f"max {_f(eng['max_kv_usage'])}")
         if row["n_errors"]:
             log(f"{cfg}: {row['n_errors']} failed requests, e.g. {row['errors_sample']}")
         if self.proc.poll() is not None:
