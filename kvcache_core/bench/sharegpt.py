@@ -826,12 +826,15 @@ def _tail(path: str, n: int = 25) -> str:
         return ""
 
 
-def scrape_metrics(port: int, prefixes: tuple[str, ...] = ("vllm:pykvcache_",)
+def scrape_metrics(port: int | str, prefixes: tuple[str, ...] = ("vllm:pykvcache_",)
                    ) -> dict[str, float]:
     """The server's Prometheus metrics (``GET /metrics``) whose names start with one of
-    ``prefixes``, each summed over its label sets ({} when /metrics does not answer)."""
+    ``prefixes``, each summed over its label sets ({} when /metrics does not answer).
+    ``port``: a local server's port, or a server's base URL (``http://host:8000``)."""
+    url = (f"{port.rstrip('/')}/metrics" if isinstance(port, str)
+           else f"http://127.0.0.1:{port}/metrics")
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(url, timeout=10) as r:
             text = r.read().decode("utf-8", "replace")
     except OSError:
         return {}
@@ -865,13 +868,14 @@ ENGINE_SAMPLE_S = 1.0
 
 
 class EngineSampler:
-    """Samples a server's scheduler gauges (:data:`ENGINE_GAUGES`) every ``interval`` s
+    """Samples a server's (``port``: local port or base URL, as :func:`scrape_metrics`)
+    scheduler gauges (:data:`ENGINE_GAUGES`) every ``interval`` s
     on its own thread while a round runs, and reads :data:`ENGINE_COUNTERS` at
     :meth:`start` and :meth:`stop`. :meth:`stop` returns the round's figures (see
     :func:`engine_summary`); a server whose /metrics does not answer gives ``{}``.
     Driver thread: ``start`` then ``stop``, once."""
 
-    def __init__(self, port: int, interval: float = ENGINE_SAMPLE_S) -> None:
+    def __init__(self, port: int | str, interval: float = ENGINE_SAMPLE_S) -> None:
         import threading
 
         self.port, self.interval = port, interval

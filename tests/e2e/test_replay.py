@@ -112,6 +112,11 @@ def _check_report(path: str, n: int) -> dict:
     assert row["config"] == "server" and row["n_requests"] == n and row["n_errors"] == 0
     assert row["throughput_rps"] > 0 and row["mean_ttft_s"] > 0
     assert row["median_ttft_s"] <= row["p90_ttft_s"] <= row["p99_ttft_s"]
+    # the server's own view of the replay, from vLLM's /metrics
+    eng = row["engine"]
+    assert eng["requests"] == n and eng["preemptions"] >= 0, eng
+    assert eng["mean_prefill_time_s"] > 0 and eng["mean_queue_time_s"] >= 0, eng
+    assert "The server's view" in open(stem + ".md").read()
     reqs = out["requests"]
     assert len(reqs) == n
     for r in reqs:
