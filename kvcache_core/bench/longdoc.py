@@ -391,9 +391,10 @@ def _jobs(configs: list[str], workload: str,
 class _Child:
     """One engine process of the driver (driver thread only).
 
-    Spawned early (:meth:`spawn`, with ``--go``): the process imports vLLM and torch, then
-    waits for its go file, so the next configuration's imports (15-20 s on the H200 host
-    and on the CPU machine) overlap the current one's engine start, requests and teardown.
+    Spawned early (by :func:`_next_child`, with ``--go``): the process imports vLLM and
+    torch, then waits for its go file, so the next configuration's imports (7-9 s on the
+    idle CPU machine; the nineteenth session's H200 logs show 19 s from spawn to vLLM's
+    first line) overlap the current one's engine start, requests and teardown.
     It creates no engine and touches no GPU, cache root or page cache before :meth:`start`,
     which the driver calls only after the previous engine's process group is gone (and,
     for a load phase, after dropping the page cache). :meth:`finish` waits for it and kills
@@ -432,6 +433,7 @@ class _Child:
         self.spawned = time.monotonic()
         self.sampler: Any = None
         self.t_go = 0.0
+        self.hold = False
 
     def ready(self) -> bool:
         """Whether its imports are done (it waits for its go file)."""
