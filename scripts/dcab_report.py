@@ -95,8 +95,9 @@ def markdown(rows: list[dict], summary: list[dict], note: str) -> str:
     lines = ["# DRAM-hit copy A/B (`dram_load_copy`): llama-3.2-3b on H200", ""]
     if note:
         lines += [note, ""]
-    lines += ["Median of every hit (4 back-to-back hits of 2 documents per round) and the",
-              "longest time vLLM's engine thread spent issuing one DRAM-hit copy.", "",
+    lines += ["Median of every hit of the arm's rounds (back to back: each document's hits in",
+              "random order) and the longest time vLLM's engine thread spent issuing one",
+              "DRAM-hit copy.", "",
               "| call | tokens | arm | rounds | median hit (s) | min - max (s) "
               "| longest issue (ms) |",
               "|---|---|---|---|---|---|---|"]
