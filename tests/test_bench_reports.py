@@ -458,6 +458,24 @@ def test_variant_names_a_kvcache_config_with_extra_keys():
         "recompute", "kvcache_dram", "kvcache_dram_dma"]
 
 
+def test_group_alive_ignores_zombies():
+    """The driver starts the next engine once the previous one's process group is gone;
+    a zombie (exited, not reaped: holds no memory) does not count as alive."""
+    live = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    dead = subprocess.Popen(["true"], start_new_session=True)
+    try:
+        end = time.monotonic() + 10
+        while L.group_alive(dead.pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not L.group_alive(dead.pid)  # a zombie until waited for below
+        assert L.group_alive(live.pid)
+    finally:
+        live.kill()
+        live.wait()
+        dead.wait()
+    assert not L.group_alive(live.pid)
+
+
 def test_held_worker_measures_only_when_the_driver_says(tmp_path):
     """A worker started with ``hold`` (the next engine process is still importing) sends
     no measured request before the driver's ``.measure`` file exists; without ``hold`` it

@@ -111,6 +111,8 @@ BLOCK_TOKENS = 256
 #: a held engine process (:meth:`_Child.start`) measures after this long at the latest,
 #: even if the process spawned ahead of it has not finished importing
 HOLD_MAX_S = 120.0
+#: how long the driver waits for a killed engine process group to be gone
+GROUP_GONE_S = 30.0
 DTYPE = "bfloat16"
 
 
@@ -485,10 +487,38 @@ class _Child:
         return rc, samples
 
     def cancel(self) -> None:
+        """Kill its process group and wait (up to :data:`GROUP_GONE_S`) until no process of
+        the group is left: the next engine may start right after, and the GPU memory of
+        this one's engine process is free only once that process is gone."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.p.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.p.wait(timeout=30)
+        end = time.monotonic() + GROUP_GONE_S
+        while time.monotonic() < end:
+            if not group_alive(self.p.pid):
+                return
+            time.sleep(0.05)
+        log(f"{self.config}/{self.phase}: processes of its group still exist after "
+            f"{GROUP_GONE_S:.0f}s")
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of process group ``pgid`` is still running (zombies, which hold no
+    memory and may never be reaped by a container's PID 1, do not count)."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        # after the command name in parentheses: state, ppid, pgrp, ...
+        fields = st[st.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def _next_child(args, config: str, phase: str) -> _Child:
