@@ -37,6 +37,9 @@ B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$RO
 KVX=()  # the same keys for the server-based steps (sharegpt, replay)
 for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); KVX+=(--kv-extra "$kv"); done
 if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
+# NOPRESPAWN=1: each engine process starts only when its turn comes (the harness before
+# the twentieth session; use it if a run's log shows engines failing to start)
+if [ -n "${NOPRESPAWN:-}" ]; then B+=(--no-prespawn); fi
 # GATE=path: the break-even table of the *_gate configurations of a step that does not pass
 # one itself (e.g. GATE=docs/results/h200/breakeven-$M.json CONFIGS=kvcache_disk_gate scbench)
 if [ -n "${GATE:-}" ]; then B+=(--gate-table "$GATE"); fi
