@@ -332,6 +332,25 @@ def test_reports_table_ratios_and_plot(tmp_path):
     assert "native_fs | failed: server exited" in md
     assert os.path.getsize(str(tmp_path / "r" / "sharegpt-tiny.png")) > 1000
     assert json.load(open(args.json))["results"][1]["config"] == "kvcache_disk"
+    assert "vLLM's own view" not in md  # no row has one
+
+
+def test_table_shows_vllms_view_of_every_round(tmp_path):
+    eng = {"mean_queue_time_s": 0.25, "mean_prefill_time_s": 0.05, "preemptions": 2,
+           "prefix_hit_frac": 0.5, "external_hit_frac": None, "max_waiting": 3.0,
+           "max_running": 22.0, "max_kv_usage": 0.983}
+    rounds = [{**_row("kvcache", 0.2), "engine": eng},
+              {**_row("kvcache", 0.1), "engine": {**eng, "preemptions": 0}}]
+    out = {"machine": "test", "model": "tiny", "rate": 4.0, "n_requests": 10, "rounds": 2,
+           "results": [_row("prefix_cache", 0.1), {**_row("kvcache", 0.15),
+                                                    "rounds": rounds}]}
+    args = SimpleNamespace(json=str(tmp_path / "r.json"))
+    S.save(args, out)
+    md = open(str(tmp_path / "r.md")).read()
+    assert "vLLM's own view of each round" in md
+    assert "| kvcache | 1 | 250.0 | 50.0 | 2 | 0.50 | - | 3 | 22 | 0.98 |" in md
+    assert "| kvcache | 2 | 250.0 | 50.0 | 0 |" in md
+    assert "| prefix_cache | 1 |" not in md  # no engine figures for that row
 
 
 def test_table_names_rounds_cut_short(tmp_path):

@@ -1307,8 +1307,30 @@ def write_table(out: dict, path: str) -> None:
     notes += broken_cache_notes(rows)
     if notes:
         lines += [""] + notes
+    lines += engine_table(rows)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def engine_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: vLLM's own view of every round of every row (``engine``, see
+    :func:`engine_summary`), empty when no row has one."""
+    per = [(r["config"], i + 1, rr["engine"]) for r in rows
+           for i, rr in enumerate(r.get("rounds") or [r]) if rr.get("engine")]
+    if not per:
+        return []
+    out = ["", "vLLM's own view of each round (its `/metrics`: queue and prefill time of the "
+           "round's requests, preemptions, and the gauges sampled once a second):", "",
+           "| config | round | queue (ms) | prefill (ms) | preemptions | GPU prefix hit | "
+           "external hit | max waiting | max running | max KV usage |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for cfg, i, e in per:
+        out.append(f"| {cfg} | {i} | {_f(_ms(e.get('mean_queue_time_s')), 1)} | "
+                   f"{_f(_ms(e.get('mean_prefill_time_s')), 1)} | {e.get('preemptions')} | "
+                   f"{_f(e.get('prefix_hit_frac'), 2)} | {_f(e.get('external_hit_frac'), 2)} | "
+                   f"{_f(e.get('max_waiting'), 0)} | {_f(e.get('max_running'), 0)} | "
+                   f"{_f(e.get('max_kv_usage'), 2)} |")
+    return out
 
 
 def broken_cache_notes(rows: list[dict]) -> list[str]:
