@@ -40,7 +40,14 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from .bench.sharegpt import EngineSampler, _payload, _request, arrivals, summarize
+from .bench.sharegpt import (
+    EngineSampler,
+    _payload,
+    _request,
+    arrivals,
+    engine_table,
+    summarize,
+)
 from .workloads import (
     DEFAULT_VOCAB,
     SYNTHETIC_BAILIAN,
@@ -297,22 +304,11 @@ def report_table(out: dict) -> str:
             f"{_f(r.get('p90_ttft_s'))} | {_f(r.get('p99_ttft_s'))} | "
             f"{_f(r.get('mean_itl_s'), 1, 1e3)} | {_f(r.get('mean_latency_s'))} | "
             f"{_f(r.get('throughput_rps'), 2)} | {_f(r.get('output_tokens_per_s'), 1)} |")
-    eng = [r for r in out["results"] if r.get("engine")]
-    if eng:
-        lines += ["", "The server's view (vLLM's `/metrics` read before and after the replay, "
-                  "gauges sampled once a second): mean queue and prefill time of the "
-                  "requests that finished, preemptions, prefix-cache hit fractions (tokens), "
-                  "largest number of waiting requests and KV cache usage.", "",
-                  "| config | queue (ms) | prefill (ms) | preemptions | GPU prefix hit | "
-                  "external hit | max waiting | max KV usage |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in eng:
-            e = r["engine"]
-            lines.append(
-                f"| {r['config']} | {_f(e.get('mean_queue_time_s'), 1, 1e3)} | "
-                f"{_f(e.get('mean_prefill_time_s'), 1, 1e3)} | {e.get('preemptions')} | "
-                f"{_f(e.get('prefix_hit_frac'), 2)} | {_f(e.get('external_hit_frac'), 2)} | "
-                f"{_f(e.get('max_waiting'), 0)} | {_f(e.get('max_kv_usage'), 2)} |")
+    lines += engine_table(
+        out["results"], "The server's view (vLLM's `/metrics` read before and after the "
+        "replay, gauges sampled once a second): mean queue and prefill time of the requests "
+        "that finished, preemptions, prefix-cache hit fractions (tokens), largest number of "
+        "waiting and running requests and KV cache usage.")
     for r in out["results"]:
         if r.get("errors_sample"):
             lines += ["", f"Errors of {r['config']} (sample):", ""]

@@ -522,29 +522,26 @@ def group_alive(pgid: int) -> bool:
 
 
 def _next_child(args, config: str, phase: str) -> _Child:
-    """The process for (config, phase), the run's next job (``args._jobs``, position
-    ``args._job_pos``): the one spawned ahead for it, else a new one; then spawn the job
-    after it ahead (unless ``--no-prespawn``). A spawned-ahead process for another job is
-    killed (the driver skipped it)."""
+    """The process for (config, phase), which must be the run's next job (``args._jobs``,
+    position ``args._job_pos``): the one spawned ahead for it, else a new one; then spawn
+    the job after it ahead (unless ``--no-prespawn``)."""
+    jobs = args._jobs
+    pos = getattr(args, "_job_pos", 0)
+    if pos >= len(jobs) or jobs[pos] != (config, phase):
+        raise RuntimeError(f"engine job {config}/{phase} is not the run's next one")
+    args._job_pos = pos + 1
     pre: _Child | None = getattr(args, "_pre", None)
     args._pre = None
-    jobs = getattr(args, "_jobs", [])
-    pos = getattr(args, "_job_pos", 0)
-    if pos >= len(jobs) or jobs[pos] != (config, phase):  # not in the plan: no spawn-ahead
-        pos = -1
-    args._job_pos = pos + 1 if pos >= 0 else getattr(args, "_job_pos", 0)
-    child = None
-    if pre is not None and pos >= 0 and (pre.config, pre.phase, pre.seq) == (config, phase,
-                                                                              pos):
+    if pre is not None and pre.seq == pos:
         child = pre
         log(f"{config}/{phase}: engine process spawned ahead "
             f"{time.monotonic() - pre.spawned:.0f}s ago, imports "
             f"{'done' if pre.ready() else 'still running'}")
-    elif pre is not None:
-        pre.cancel()
-    if child is None:
-        child = _Child(args, config, phase, pos if pos >= 0 else len(jobs) + 1000)
-    if not args.no_prespawn and 0 <= pos < len(jobs) - 1:
+    else:
+        if pre is not None:
+            pre.cancel()
+        child = _Child(args, config, phase, pos)
+    if not args.no_prespawn and pos < len(jobs) - 1:
         args._pre = _Child(args, *jobs[pos + 1], pos + 1)
     return child
 
@@ -1016,8 +1013,12 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
     after each). Returns the last save."""
     raw: list[dict] = []
     args._raw = raw  # save() writes them as round_results
-    for n, (cfg, rnd) in enumerate(schedule, 1):
+
+    def publish() -> dict:  # the rows so far (merged over rounds) into the result files
         results[:] = merge_rounds(raw) if args.rounds > 1 else raw
+        return save(args, results, disk, pcie, kvb, model_name)
+
+    for n, (cfg, rnd) in enumerate(schedule, 1):
         log(f"[{n}/{len(schedule)}] {cfg}" + (f", round {rnd}" if args.rounds > 1 else ""))
         base = base_of(args, cfg)
         mark = len(raw)
@@ -1042,8 +1043,7 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
         sched = _scheduler_stats(args, cfg)
         if not store or not load:
             raw.append({"config": cfg, "error": "engine run failed"})
-            results[:] = merge_rounds(raw) if args.rounds > 1 else raw
-            out = save(args, results, disk, pcie, kvb, model_name)
+            out = publish()
             continue
         if args.workload == "scbench":
             raw += _scbench_results(args, cfg, load, kvb)
@@ -1101,8 +1101,7 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
                     if base in GATE_OF:
                         r["gate_table"] = args.gate_table_path
         shutil.rmtree(os.path.join(args.root, cfg), ignore_errors=True)
-        results[:] = merge_rounds(raw) if args.rounds > 1 else raw
-        out = save(args, results, disk, pcie, kvb, model_name)  # after every config
+        out = publish()  # after every config
     return out
 
 

@@ -76,6 +76,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -876,8 +877,6 @@ class EngineSampler:
     Driver thread: ``start`` then ``stop``, once."""
 
     def __init__(self, port: int | str, interval: float = ENGINE_SAMPLE_S) -> None:
-        import threading
-
         self.port, self.interval = port, interval
         self.samples: list[dict[str, float]] = []
         self._stop = threading.Event()
@@ -951,8 +950,6 @@ class DiskJanitor:
     disk does not fill it. Counts what it deleted."""
 
     def __init__(self, root: str, cap: int, period: float = 0.5):
-        import threading
-
         self.root, self.cap, self.period = root, cap, period
         self.deleted_files = 0
         self.deleted_bytes = 0
@@ -1312,15 +1309,20 @@ def write_table(out: dict, path: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def engine_table(rows: list[dict]) -> list[str]:
-    """Markdown lines: vLLM's own view of every round of every row (``engine``, see
-    :func:`engine_summary`), empty when no row has one."""
+#: the sentence above :func:`engine_table`'s table in the replay benchmark's report
+ENGINE_TABLE_INTRO = ("vLLM's own view of each round (its `/metrics`: queue and prefill time "
+                      "of the round's requests, preemptions, and the gauges sampled once a "
+                      "second):")
+
+
+def engine_table(rows: list[dict], intro: str = ENGINE_TABLE_INTRO) -> list[str]:
+    """Markdown lines: ``intro``, then vLLM's own view of every round of every row
+    (``engine``, see :func:`engine_summary`); empty when no row has one."""
     per = [(r["config"], i + 1, rr["engine"]) for r in rows
            for i, rr in enumerate(r.get("rounds") or [r]) if rr.get("engine")]
     if not per:
         return []
-    out = ["", "vLLM's own view of each round (its `/metrics`: queue and prefill time of the "
-           "round's requests, preemptions, and the gauges sampled once a second):", "",
+    out = ["", intro, "",
            "| config | round | queue (ms) | prefill (ms) | preemptions | GPU prefix hit | "
            "external hit | max waiting | max running | max KV usage |",
            "|---|---|---|---|---|---|---|---|---|---|"]
