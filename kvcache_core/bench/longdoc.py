@@ -480,6 +480,11 @@ class _Child:
                     rc = self.p.wait(timeout=min(left, 0.2) if held else left)
                 except subprocess.TimeoutExpired:
                     continue
+            if rc == 0:
+                # the worker exits as soon as its result is written (no interpreter
+                # teardown); vLLM's engine processes may still be writing their last
+                # stats on the way out: let them end on their own before the kill
+                self._wait_gone(max(1.0, min(GROUP_GONE_S, deadline - time.monotonic())))
         finally:
             if self.sampler is not None:
                 samples = self.sampler.stop()
@@ -494,13 +499,18 @@ class _Child:
             os.killpg(self.p.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.p.wait(timeout=30)
-        end = time.monotonic() + GROUP_GONE_S
-        while time.monotonic() < end:
-            if not group_alive(self.p.pid):
-                return
+        if not self._wait_gone(GROUP_GONE_S):
+            log(f"{self.config}/{self.phase}: processes of its group still exist after "
+                f"{GROUP_GONE_S:.0f}s")
+
+    def _wait_gone(self, limit: float) -> bool:
+        """Wait up to ``limit`` s until no process of its group runs; whether none does."""
+        end = time.monotonic() + limit
+        while group_alive(self.p.pid):
+            if time.monotonic() >= end:
+                return False
             time.sleep(0.05)
-        log(f"{self.config}/{self.phase}: processes of its group still exist after "
-            f"{GROUP_GONE_S:.0f}s")
+        return True
 
 
 def group_alive(pgid: int) -> bool:
