@@ -25,6 +25,8 @@ RES=${RES:-/tmp/res}
 ROOT=${ROOT:-/tmp/ldroot}
 OUT=${OUT:-$RES/out}
 mkdir -p "$RES" "$OUT"
+# a previous call cut short may have left an engine holding GPU memory
+bash scripts/h200_stop.sh
 SITE=$(python3 -c 'import vllm,os;print(os.path.dirname(os.path.dirname(vllm.__file__)))')
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" >/dev/null
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" --check

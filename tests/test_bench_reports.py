@@ -411,6 +411,121 @@ def test_rounds_file_keeps_every_round_and_the_dcab_report_reads_it(tmp_path):
     assert summary["dma"]["median_hit_s"] == pytest.approx(0.3)  # 0.2 x4, 0.4 x4
 
 
+def test_resume_rounds_keeps_only_finished_pairs():
+    """``--resume`` with ``--rounds``: a (config, round) with rows and no error is done;
+    one that failed, or that another config list does not name, runs again."""
+    rr = [{"config": "a", "tokens": 1024, "round": 1, "ttft_hit_s": 0.1},
+          {"config": "a", "tokens": 4096, "round": 1, "ttft_hit_s": 0.2},
+          {"config": "b", "round": 1, "error": "engine run failed"},
+          {"config": "b", "tokens": 1024, "round": 2, "ttft_hit_s": 0.3},
+          {"config": "c", "tokens": 1024, "round": 1, "ttft_hit_s": 0.4},
+          {"config": "a", "error": "engine run failed"}]  # before rows carried a round
+    got = L.resume_rounds({"round_results": rr}, ["a", "b"])
+    assert [(r["config"], r.get("tokens"), r["round"]) for r in got] == [
+        ("a", 1024, 1), ("a", 4096, 1), ("b", 1024, 2)]
+    assert L.resume_rounds({"results": []}, ["a"]) == []
+
+
+def test_resume_with_rounds_runs_only_the_missing_pairs(tmp_path):
+    """A ``--rounds 2`` run cut short after round 1 (its file written after every
+    configuration) resumes with round 2 only: nothing measured twice, the medians over
+    both rounds in ``results``. Here every pair is done already, so the resumed run
+    starts no engine and only rewrites the merged file."""
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    path = str(tmp_path / "res.json")
+    rows = [{"config": "recompute", "tokens": 1024, "round": rnd, "concurrency": 1,
+             "ttft_cold_s": c, "ttft_hit_s": c, "ttft_first_hit_s": c,
+             "ttft_cold_all": [c], "ttft_hit_all": [c], "hit_docs": [0], "disk_floor_s": 1.0}
+            for rnd, c in ((1, 0.1), (2, 0.3))]
+    json.dump({"results": rows[:1], "round_results": rows, "rounds": 2}, open(path, "w"))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(
+        [sys.executable, "-m", "kvcache_core.bench.longdoc", "--model", str(model),
+         "--root", str(tmp_path / "root"), "--json", path, "--append", "--resume",
+         "--rounds", "2", "--configs", "recompute", "--no-probe", "--machine", "t"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "recompute round 1, recompute round 2 already measured" in p.stderr
+    assert "] recompute, round" not in p.stderr  # no engine run
+    doc = json.load(open(path))
+    (r,) = doc["results"]
+    assert r["ttft_hit_s_rounds"] == [0.1, 0.3] and r["ttft_hit_s"] == pytest.approx(0.2)
+    assert len(doc["round_results"]) == 2
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    st = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if st[0] != "Z" and int(st[2]) == pgid:
+                out.append(int(d))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_driver_kills_its_engines(tmp_path):
+    """``timeout`` / ``pkill`` on the benchmark driver while an engine runs (the
+    twenty-first session's H200 call): the driver exits with 143 and leaves no process
+    of the engine groups it started, the one spawned ahead included, so the next run's
+    engine gets the GPU memory."""
+    pytest.importorskip("vllm")
+    import signal
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    root = tmp_path / "root"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvcache_core.bench.longdoc", "--model", str(model),
+         "--root", str(root), "--json", str(tmp_path / "r.json"), "--tokens", "1024",
+         "--staging-bytes", str(4 << 20), "--io-depth", "2", "--timeout", "200",
+         "--no-probe", "--configs", "recompute,kvcache_dram", "--repeats", "50"],
+        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        groups: list[int] = []
+        deadline = time.monotonic() + 200
+        # the first worker (its own process group) has started vLLM's engine process
+        while time.monotonic() < deadline and p.poll() is None:
+            groups = [int(d) for d in os.listdir("/proc") if d.isdigit()
+                      and _cmd_has(int(d), "--worker", str(root))]
+            if any(len(_group_members(g)) > 1 for g in groups):
+                break
+            time.sleep(0.5)
+        assert p.poll() is None and groups, "no engine started"
+        time.sleep(2)
+        groups = sorted({os.getpgid(int(d)) for d in os.listdir("/proc") if d.isdigit()
+                         and _cmd_has(int(d), "--worker", str(root))} | set(groups))
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=90)
+        assert p.returncode == 143, err[-3000:]
+        assert "signal 15: stopping" in err
+        assert all(_group_members(g) == [] for g in groups), groups
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def _cmd_has(pid: int, *parts: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return all(x in cmd for x in parts)
+
+
 def test_small_sizes_take_more_documents_within_the_tier_budget():
     a = SimpleNamespace(workload="longdoc", docs=2, small_docs=8,
                         tokens="1024,4096,16384,65536")

@@ -91,6 +91,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -918,6 +919,20 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(0)
 
+    # the driver: a SIGTERM (``timeout``, ``pkill``) unwinds like SystemExit, so the
+    # ``finally`` blocks kill every engine process group it started; otherwise an engine
+    # outlives the run and holds its GPU memory against the next one
+    in_main = threading.current_thread() is threading.main_thread()
+    prev_term = signal.signal(signal.SIGTERM, _terminate) if in_main else None
+    try:
+        return _drive(args)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, prev_term)
+
+
+def _drive(args) -> int:
+    """The driver's run (:func:`main` without ``--worker``)."""
     os.makedirs(args.root, exist_ok=True)
     if args.trace:
         args.trace = os.path.abspath(args.trace)
@@ -935,13 +950,22 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--variant and --rounds are for --workload longdoc only")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    prior: list[dict] = []  # --rounds: the rows of the (config, round)s already measured
     if args.resume and args.append and args.json and os.path.exists(args.json):
         with open(args.json) as f:
-            done = {r["config"] for r in json.load(f).get("results", []) if "error" not in r}
-        skipped = [c for c in configs if c in done]
-        configs = [c for c in configs if c not in done]
-        if skipped:
-            log(f"resume: {', '.join(skipped)} already measured in {args.json}")
+            old = json.load(f)
+        if args.rounds > 1:
+            prior = resume_rounds(old, configs)
+            if prior:
+                log("resume: " + ", ".join(sorted({f"{r['config']} round {r['round']}"
+                                                    for r in prior}))
+                    + f" already measured in {args.json}")
+        else:
+            done = {r["config"] for r in old.get("results", []) if "error" not in r}
+            skipped = [c for c in configs if c in done]
+            configs = [c for c in configs if c not in done]
+            if skipped:
+                log(f"resume: {', '.join(skipped)} already measured in {args.json}")
     if args.no_probe:
         disk = pcie = float("nan")
     else:
@@ -953,7 +977,9 @@ def main(argv: list[str] | None = None) -> int:
     kvb = kv_bytes_per_token(args.model)
     results: list[dict] = []
     out = save(args, results, disk, pcie, kvb, model_name)
-    schedule = _schedule(configs, args.rounds)
+    done_pairs = {(r["config"], r["round"]) for r in prior}
+    schedule = [j for j in _schedule(configs, args.rounds) if j not in done_pairs]
+    args._prior = prior
     args._jobs = _jobs([c for c, _ in schedule], args.workload, lambda c: base_of(args, c))
     if args.workload == "scbench":
         args.no_prespawn = True
@@ -964,6 +990,23 @@ def main(argv: list[str] | None = None) -> int:
             args._pre.cancel()
     print(json.dumps({k: v for k, v in out.items() if k != "results"}, indent=1))
     return 0
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    """The driver's SIGTERM handler (main thread): exit through the ``finally`` blocks."""
+    log(f"signal {signum}: stopping; killing the engine processes")
+    raise SystemExit(128 + signum)
+
+
+def resume_rounds(old: dict, configs: list[str]) -> list[dict]:
+    """``--resume`` with ``--rounds``: the rows of an earlier (cut short) run's
+    ``round_results`` for ``configs``, of every (config, round) that finished without an
+    error (every row of that pair). The run then measures only the other pairs, and its
+    medians include these rows."""
+    rows = [r for r in old.get("round_results", [])
+            if r.get("config") in configs and r.get("round") is not None]
+    bad = {(r["config"], r["round"]) for r in rows if "error" in r}
+    return [r for r in rows if (r["config"], r["round"]) not in bad and "error" not in r]
 
 
 def _schedule(configs: list[str], rounds: int) -> list[tuple[str, int]]:
@@ -1021,13 +1064,15 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
     """Run every (configuration, round)'s engine process(es) in turn and put its rows in
     ``results`` (merged over rounds, :func:`merge_rounds`; the result files are rewritten
     after each). Returns the last save."""
-    raw: list[dict] = []
+    raw: list[dict] = list(getattr(args, "_prior", None) or [])  # resumed rounds first
     args._raw = raw  # save() writes them as round_results
 
     def publish() -> dict:  # the rows so far (merged over rounds) into the result files
         results[:] = merge_rounds(raw) if args.rounds > 1 else raw
         return save(args, results, disk, pcie, kvb, model_name)
 
+    if raw:  # resumed rounds: their medians in the files at once
+        out = publish()
     for n, (cfg, rnd) in enumerate(schedule, 1):
         log(f"[{n}/{len(schedule)}] {cfg}" + (f", round {rnd}" if args.rounds > 1 else ""))
         base = base_of(args, cfg)
@@ -1052,7 +1097,8 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
         stats, lstats = _load_stats(args, cfg)
         sched = _scheduler_stats(args, cfg)
         if not store or not load:
-            raw.append({"config": cfg, "error": "engine run failed"})
+            raw.append({"config": cfg, "error": "engine run failed",
+                        **({"round": rnd} if args.rounds > 1 else {})})
             out = publish()
             continue
         if args.workload == "scbench":
@@ -1137,8 +1183,10 @@ def save(args, results: list[dict], disk: float, pcie: float, kvb: int,
         kept = [r for r in args._old_results if r["config"] not in ran]
         out["results"] = kept + list(results)
         bw = [(r.get("disk_read_gbps"), r.get("pcie_h2d_gbps")) for r in out["results"]]
-        out["disk_read_gbps"] = statistics.median(b[0] for b in bw if b[0])
-        out["pcie_h2d_gbps"] = statistics.median(b[1] for b in bw if b[1])
+        for i, key in enumerate(("disk_read_gbps", "pcie_h2d_gbps")):
+            got = [b[i] for b in bw if b[i]]
+            if got:  # else this run's own probe (rows of older files may lack it)
+                out[key] = statistics.median(got)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
