@@ -162,6 +162,18 @@ KEY_HELP: dict[str, str] = {
     "held vLLM's engine thread for the whole 64k copy (docs/results/h200/README.md, "
     "nineteenth session). Falls back to 'dma' with a warning where Triton cannot run. No "
     "effect without CUDA. Default 'auto'.",
+    "store_copy": "How a store's device->host copy (vLLM's KV cache into the staging "
+    "pool or the DRAM tier) is issued, by the I/O reactor thread: 'dma' (one "
+    "cuMemcpyBatchAsync with one descriptor per contiguous run of GPU blocks; blocks in "
+    "reverse or scattered order need one per block and layer, and the reactor thread "
+    "feeds the copy engines for the copy's whole duration: 113 ms of host time for a 7 GiB "
+    "copy in 64 KiB pieces on the H200), 'kernel' (vLLM's Triton gather kernel: GPU "
+    "threads write the pinned pool directly, one launch, 1.6 ms of host time at 52 GB/s "
+    "in the same test, docs/results/h200/README.md, twenty-first session) or 'auto' (the "
+    "kernel when the descriptors average below 256 KiB, else dma), the same rule as "
+    "dram_load_copy. Default 'dma' until the store-side A/B on the H200 "
+    "(scripts/h200_runs.sh scab) has run. Falls back to 'dma' with a warning where Triton "
+    "cannot run. No effect without CUDA.",
     "integrity_key_file": "Path of a file holding a secret (>= 16 bytes; not readable by "
     "every user) shared by the processes that trust each other. Every block then carries a "
     "keyed BLAKE3 over header and payload, and a block that does not verify (forged by "
@@ -201,6 +213,7 @@ class StorageConfig:
     switch_interval_scope: str = "process"
     store_copy_wait: str = "poll"
     dram_load_copy: str = "auto"
+    store_copy: str = "dma"
     integrity_key_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -232,8 +245,9 @@ class StorageConfig:
              "must be 'process' or 'busy'")
         need(self.store_copy_wait in ("poll", "block"), "store_copy_wait",
              "must be 'poll' or 'block'")
-        need(self.dram_load_copy in ("dma", "kernel", "auto"), "dram_load_copy",
-             "must be 'dma', 'kernel' or 'auto'")
+        for key in ("dram_load_copy", "store_copy"):
+            need(getattr(self, key) in ("dma", "kernel", "auto"), key,
+                 "must be 'dma', 'kernel' or 'auto'")
         need(self.integrity_key_file is None or (
             isinstance(self.integrity_key_file, str) and self.integrity_key_file != ""),
             "integrity_key_file", "must be a file path (string) or null")

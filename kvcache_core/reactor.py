@@ -374,9 +374,10 @@ class Reactor(LoadRouting):
         #: device copies (loads / stores), the number of loop iterations (each one a wake-up
         #: that takes the GIL back from vLLM's engine thread), and the seconds spent in
         #: those iterations' work (``step_s``: Python under the GIL, engine waits excluded);
-        #: ``copy_waits``: store copies the waiter thread saw done (it alone writes it).
-        self.timing = {"to_device_s": 0.0, "from_device_s": 0.0, "iterations": 0,
-                       "step_s": 0.0, "copy_waits": 0}
+        #: ``copy_waits``: store copies the waiter thread saw done (it alone writes it);
+        #: ``from_device_max_s``: the longest issue of one store job's copy.
+        self.timing = {"to_device_s": 0.0, "from_device_s": 0.0, "from_device_max_s": 0.0,
+                       "iterations": 0, "step_s": 0.0, "copy_waits": 0}
         self.early_store_ack = early_store_ack
         #: Optional event trace (diagnostics): (time.monotonic(), event, request id, n),
         #: appended by the reactor thread, read after :meth:`close`. Bounded.
@@ -891,7 +892,10 @@ class Reactor(LoadRouting):
                 handle = self.copier.from_device_batch([t.slot for t in tasks],
                                                        [t.ref for t in tasks],
                                                        [t.nbytes for t in tasks])
-            self.timing["from_device_s"] += time.perf_counter() - c0
+            dt = time.perf_counter() - c0
+            self.timing["from_device_s"] += dt
+            if dt > self.timing["from_device_max_s"]:
+                self.timing["from_device_max_s"] = dt
         except Exception as e:  # bad source: fail these items, keep serving
             log.error("py-kvcache: store copy of %d blocks failed: %s", len(tasks), e)
             for t in tasks:

@@ -14,12 +14,13 @@
 #   bash scripts/h200_runs.sh trace   llama-3.2-3b   # what the reactor and engine did per TTFT
 #   bash scripts/h200_runs.sh wbab    llama-3.2-3b   # issue 9: write-back deferred vs not (A/B)
 #   bash scripts/h200_runs.sh dcab    llama-3.2-3b   # issue 9: DRAM-hit copy dma vs kernel (A/B)
+#   bash scripts/h200_runs.sh scab    llama-3.2-3b   # issue 9: store copy dma vs kernel (A/B)
 #   bash scripts/h200_runs.sh sharegpt llama-3.2-3b  # issue 9 item 4: ShareGPT replay, 5 configs
 #   bash scripts/h200_runs.sh scbench llama-3.2-3b   # issue 10 item 3: multi-turn shared contexts
 #   WORKLOAD=.gpu/wl-longbench-docs.jsonl.gz bash scripts/h200_runs.sh replay llama-3.2-3b
 #                                                    # issue 11: one workload, all configs
 set -euo pipefail
-STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|replay|scbench|wbab|dcab}
+STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|replay|scbench|wbab|dcab|scab}
 M=${2:?model: llama-3.2-3b|llama-3.1-8b}
 RES=${RES:-/tmp/res}
 ROOT=${ROOT:-/tmp/ldroot}
@@ -109,24 +110,30 @@ case "$STEP" in
           --json "$RES_BASE/wbab-$d-r$r/longdoc-$M.json" --configs kvcache_dram || true
       done
     done ;;
-  dcab)
-    # issue 9: how a DRAM hit is copied (dram_load_copy): one longdoc run of kvcache_dram
-    # variants kvcache_dram_<arm> (ARMS: dram_load_copy values; "native_cpu" adds vLLM's
-    # CPU offload as an arm) over ROUNDS rounds, the order reversed every other round,
-    # each engine spawned while the previous one runs (its imports overlap). TOKENS
-    # narrows the sizes. Result: $RES/dcab-$M.json (rows: the medians over rounds;
-    # round_results: every round's row). Every kvcache arm spot-checks its DRAM-hit
-    # copies against the pool (KVCACHE_VERIFY_DIRECT=1: counters direct_verified /
-    # direct_verify_failed in the log).
-    ROUNDS=${ROUNDS:-3}; ARMS=${ARMS:-dma auto native_cpu}; TOK=${TOKENS:-4096,16384,65536}
+  dcab|scab)
+    # issue 9: how a DRAM hit (dcab: dram_load_copy) or a store (scab: store_copy) is
+    # copied: one longdoc run of kvcache_dram variants kvcache_dram_<arm> (dcab) or
+    # kvcache_dram_s<arm> (scab) (ARMS: the key's values; "native_cpu" and "recompute"
+    # add those configurations as arms) over ROUNDS rounds, the order reversed every
+    # other round, each engine spawned while the previous one runs (its imports overlap).
+    # TOKENS narrows the sizes. Result: $RES/<step>-$M.json (rows: the medians over
+    # rounds; round_results: every round's row; scab: compare the cold rows, and the
+    # reactor's from_device_max_s / the worker's store_kernel_jobs in worker_stats).
+    # Every kvcache arm spot-checks its DRAM-hit copies against the pool
+    # (KVCACHE_VERIFY_DIRECT=1: counters direct_verified / direct_verify_failed).
+    if [ "$STEP" = dcab ]; then KEY=dram_load_copy; PFX=kvcache_dram_
+      DEF_ARMS="dma auto native_cpu"; DEF_TOK=4096,16384,65536
+    else KEY=store_copy; PFX=kvcache_dram_s
+      DEF_ARMS="dma auto native_cpu recompute"; DEF_TOK=1024,4096,16384,65536; fi
+    ROUNDS=${ROUNDS:-3}; ARMS=${ARMS:-$DEF_ARMS}; TOK=${TOKENS:-$DEF_TOK}
     export KVCACHE_VERIFY_DIRECT=${KVCACHE_VERIFY_DIRECT-1}
     CF=(); VA=()
     for a in $ARMS; do
-      if [ "$a" = native_cpu ]; then CF+=(native_cpu); continue; fi
-      CF+=("kvcache_dram_$a"); VA+=(--variant "kvcache_dram_$a=kvcache_dram:dram_load_copy=\"$a\"")
+      case "$a" in native_cpu|recompute) CF+=("$a"); continue ;; esac
+      CF+=("$PFX$a"); VA+=(--variant "$PFX$a=kvcache_dram:$KEY=\"$a\"")
     done
     "${B[@]}" --no-probe --tokens "$TOK" --rounds "$ROUNDS" "${VA[@]}" \
-      --configs "$(IFS=,; echo "${CF[*]}")" --json "$RES/dcab-$M.json" || true ;;
+      --configs "$(IFS=,; echo "${CF[*]}")" --json "$RES/$STEP-$M.json" || true ;;
   trace)
     # diagnostics: per request, the reactor's events and the engine's steps (host time
     # launching each forward) inside its TTFT window; TOKENS and CONFIGS narrow a call.

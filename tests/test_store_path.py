@@ -282,3 +282,19 @@ def test_store_copy_wait_is_validated(make_layout):
     with pytest.raises(ConfigError, match="store_copy_wait"):
         StorageConfig.from_dict({"root_dir": "/tmp/x", "store_copy_wait": "spin"})
     assert StorageConfig.from_dict({"root_dir": "/tmp/x"}).store_copy_wait == "poll"
+
+
+def test_copy_mode_keys_are_validated():
+    """``store_copy`` and ``dram_load_copy``: 'dma', 'kernel' or 'auto'; anything else is
+    a config error that names the key. Defaults: stores on DMA until their H200 A/B,
+    DRAM hits on 'auto'."""
+    from kvcache_core.config import ConfigError, StorageConfig
+
+    for key in ("store_copy", "dram_load_copy"):
+        for bad in ("fast", "", 1, None):
+            with pytest.raises(ConfigError, match=f"'{key}'"):
+                StorageConfig.from_dict({"root_dir": "/tmp/x", key: bad})
+        assert getattr(StorageConfig.from_dict({"root_dir": "/tmp/x", key: "kernel"}),
+                       key) == "kernel"
+    cfg = StorageConfig.from_dict({"root_dir": "/tmp/x"})
+    assert (cfg.store_copy, cfg.dram_load_copy) == ("dma", "auto")

@@ -363,6 +363,12 @@ class KVCopier(Copier):
         self.direct_copy = "dma"
         #: DRAM-hit jobs copied by the gather kernel (diagnostics, exported timing)
         self.direct_kernel_jobs = 0
+        #: ``store_copy``: how :meth:`from_device_batch` copies ("dma", "kernel", "auto");
+        #: set through :meth:`set_store_copy` (model-runner thread, before the reactor
+        #: copies anything)
+        self.store_copy = "dma"
+        #: store jobs copied by the gather kernel (reactor thread; diagnostics)
+        self.store_kernel_jobs = 0
         #: diagnostics (env KVCACHE_VERIFY_DIRECT=1, set by the worker): keep the last
         #: :meth:`load_direct`'s descriptors in ``last_ops`` for :meth:`check_copy`
         self.verify_direct = False
@@ -456,21 +462,34 @@ class KVCopier(Copier):
         compile vLLM's gather kernel now (one tiny copy, so the first hit pays no JIT) and
         fall back to "dma" with a warning where it cannot run (no Triton, a vLLM without
         the kernel). Returns the mode in effect; without CUDA that is always "dma"."""
+        self.direct_copy = self._kernel_mode("dram_load_copy", mode, "DRAM hits")
+        return self.direct_copy
+
+    def set_store_copy(self, mode: str) -> str:
+        """Choose how :meth:`from_device_batch` copies (``store_copy``: "dma", "kernel" or
+        "auto", the same rule as :meth:`set_direct_copy`); model-runner thread, before
+        the reactor issues its first store copy. Returns the mode in effect ("dma" without
+        CUDA or where the kernel cannot run)."""
+        self.store_copy = self._kernel_mode("store_copy", mode, "stores")
+        return self.store_copy
+
+    def _kernel_mode(self, key: str, mode: str, what: str) -> str:
+        """``mode`` for config key ``key`` if it can run here, else "dma" (with a warning
+        when the gather kernel was asked for and cannot run)."""
         if mode not in ("dma", "kernel", "auto"):
-            raise ValueError(f"dram_load_copy must be 'dma', 'kernel' or 'auto', got {mode!r}")
+            raise ValueError(f"{key} must be 'dma', 'kernel' or 'auto', got {mode!r}")
         if mode != "dma" and self._cx is not None:  # pragma: no cover - needs CUDA
             try:
                 if not getattr(self.pool, "pinned", False):
                     raise RuntimeError("the pool is not registered with CUDA (page-locked), "
-                                       "so GPU threads cannot read it")
+                                       "so GPU threads cannot reach it")
                 self._cx.load_kernel()
             except Exception as e:  # noqa: BLE001 - any failure means: not here
-                log.warning("py-kvcache: dram_load_copy=%r needs vLLM's Triton gather kernel, "
-                            "which cannot run here (%s: %s); DRAM hits use 'dma'", mode,
-                            type(e).__name__, e)
+                log.warning("py-kvcache: %s=%r needs vLLM's Triton gather kernel, which "
+                            "cannot run here (%s: %s); %s use 'dma'", key, mode,
+                            type(e).__name__, e, what)
                 mode = "dma"
-        self.direct_copy = mode if self._cx is not None else "dma"
-        return self.direct_copy
+        return mode if self._cx is not None else "dma"
 
     def check_copy(self, ops: tuple[np.ndarray, ...], samples: int = 16,
                    window: int = 64) -> int:
@@ -539,7 +558,10 @@ class KVCopier(Copier):
         after = refs[0].after
         if any(r.after is not after for r in refs):  # pragma: no cover - one event per job
             after = list({id(r.after): r.after for r in refs if r.after is not None}.values())
-        return self._run(ops, to_device=False, after=after, slot=slots[0])
+        kernel = use_gather_kernel(self.store_copy, ops[3])
+        if kernel:
+            self.store_kernel_jobs += 1
+        return self._run(ops, to_device=False, after=after, slot=slots[0], kernel=kernel)
 
     def store_done(self, handle: Any) -> bool:
         return self.done(handle)
@@ -675,11 +697,13 @@ class _CudaExec:
             if timed:  # diagnostics: the copy's GPU time (KVCopier.copy_ms)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-            if kernel and self._kfn is not None and to_device:
-                # one launch: the GPU's threads read the pinned pool directly, whatever
-                # the descriptor count
-                keep = launch_gather(self._kfn, self.dev, self.pool_base + plo,
-                                     self.kv_base[tix] + kvo, szs, self.kernel_programs)
+            if kernel and self._kfn is not None:
+                # one launch: the GPU's threads read (load) or write (store) the pinned
+                # pool directly, whatever the descriptor count
+                pool_ptr, kv_ptr = self.pool_base + plo, self.kv_base[tix] + kvo
+                src, dst = (pool_ptr, kv_ptr) if to_device else (kv_ptr, pool_ptr)
+                keep = launch_gather(self._kfn, self.dev, src, dst, szs,
+                                     self.kernel_programs)
             elif self.swap is not None:
                 kv_ptr = torch.from_numpy(self.kv_base[tix] + kvo)
                 pool_ptr = torch.from_numpy(self.pool_base + plo)

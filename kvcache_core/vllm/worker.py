@@ -142,6 +142,7 @@ class PyKVCacheWorker(OffloadingWorker):
         if self.reactor.trace is not None:
             self.copier.time_direct = True  # diagnostics: DRAM-hit copies' GPU time
         self.copier.set_direct_copy(storage.dram_load_copy)  # "dma" without CUDA
+        self.copier.set_store_copy(storage.store_copy)  # before any store: none yet
         #: diagnostics (env KVCACHE_VERIFY_DIRECT=1): each finished DRAM-hit copy is
         #: spot-checked against the pool (counters direct_verified / direct_verify_failed)
         self._verify_ops: dict[int, Any] | None = None
@@ -584,7 +585,8 @@ class PyKVCacheWorker(OffloadingWorker):
         dt = self.copier.direct_timing
         return {"direct_validate_s": dt[0], "direct_ops_s": dt[1], "direct_issue_s": dt[2],
                 "direct_issue_max_s": dt[3],
-                "direct_kernel_jobs": self.copier.direct_kernel_jobs}
+                "direct_kernel_jobs": self.copier.direct_kernel_jobs,
+                "store_kernel_jobs": self.copier.store_kernel_jobs}
 
     def _export(self, snap: dict[str, int]) -> None:
         """Append this worker's final counters and staging high-water mark as one JSON line

@@ -3,6 +3,8 @@ against vLLM's own ``compute_sub_block_ptrs``, batched copy descriptors."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -143,25 +145,70 @@ def test_dram_load_copy_mode_choice():
         assert use_gather_kernel("kernel", sizes) and not use_gather_kernel("dma", sizes)
 
 
-def test_dram_load_copy_without_cuda_is_dma(tmp_path, vllm_available):
-    """Where CUDA is absent the kernel cannot run: set_direct_copy keeps 'dma' for every
-    valid mode and refuses an unknown one."""
+@contextlib.contextmanager
+def _copier(tmp_path, g, n_slots: int, payload: int):
+    """A CPU :class:`KVCopier` over geometry ``g`` and an unpinned pool of ``n_slots``
+    8 KiB slots (a layout whose blocks hold ``payload`` bytes); closed afterwards."""
     from kvcache_core.layout import Layout, Namespace
     from kvcache_core.staging import StagingPool
     from kvcache_core.vllm.transfer import KVCopier
 
-    g = _geometry(2)
-    pool = StagingPool(4, 8192, pin=False)
-    lay = Layout(str(tmp_path), Namespace("m", "bfloat16", 32, 2 * 2 * 256))
+    pool = StagingPool(n_slots, 8192, pin=False)
+    lay = Layout(str(tmp_path), Namespace("m", "bfloat16", 32, payload))
     try:
-        c = KVCopier(pool, HEADER_BYTES, geometry=g, layout=lay, n_staging=4)
-        for mode in ("dma", "kernel", "auto"):
-            assert c.set_direct_copy(mode) == "dma" and c.direct_copy == "dma"
-        with pytest.raises(ValueError, match="dram_load_copy"):
-            c.set_direct_copy("fast")
+        yield KVCopier(pool, HEADER_BYTES, geometry=g, layout=lay, n_staging=n_slots)
     finally:
         lay.close()
         pool.close()
+
+
+@pytest.mark.parametrize("key_name,setter,attr", [
+    ("dram_load_copy", "set_direct_copy", "direct_copy"),
+    ("store_copy", "set_store_copy", "store_copy")])
+def test_copy_modes_without_cuda_are_dma(tmp_path, vllm_available, key_name, setter, attr):
+    """Where CUDA is absent the kernel cannot run: set_direct_copy / set_store_copy keep
+    'dma' for every valid mode and refuse an unknown one by its config key's name."""
+    with _copier(tmp_path, _geometry(2), 4, 2 * 2 * 256) as c:
+        for mode in ("dma", "kernel", "auto"):
+            assert getattr(c, setter)(mode) == "dma" and getattr(c, attr) == "dma"
+        with pytest.raises(ValueError, match=key_name):
+            getattr(c, setter)("fast")
+
+
+def test_store_copy_auto_picks_scattered_stores(tmp_path, vllm_available):
+    """``store_copy='auto'``: a store job whose GPU blocks run backwards (vLLM hands a
+    request the blocks its predecessor freed, in reverse) has one descriptor per block
+    and tensor, so it goes to the gather kernel (counted in ``store_kernel_jobs``) while a
+    consecutive one stays on DMA; either way the pool receives the KV bytes (here through
+    the CPU copy, which ignores the choice)."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    page, n_t, bpc = 256, 2, 4
+    g = _geometry(bpc, n_tensors=n_t, nb=64, page=page)
+    for t in g.flat:
+        t[:] = torch.randint(-128, 127, t.shape, dtype=torch.int8)
+    slot = 8192  # header + 2 KiB of payload, rounded up to the pool's page multiple
+    with _copier(tmp_path, g, 16, n_t * bpc * page) as c:
+        pool = c.pool
+        c.store_copy = "auto"  # as set_store_copy leaves it where the kernel runs
+        # 4 chunks of 4 blocks: one descriptor per chunk and tensor when consecutive (8,
+        # below KERNEL_MIN_OPS), one per block and tensor when reversed (32)
+        backwards = list(range(63, 47, -1))
+        consecutive = list(range(0, 16))
+        for ids, kernel_jobs in ((consecutive, 0), (backwards, 1)):
+            refs = g.split(GPULoadStoreSpec(ids, [16], [0]), [key(i) for i in range(4)])
+            slots = [3, 9, 4, 12]
+            pool.as_tensor().zero_()
+            assert c.done(c.from_device_batch(slots, refs, [slot] * 4))
+            assert c.store_kernel_jobs == kernel_jobs
+            # every descriptor's bytes arrived (the descriptors themselves are checked
+            # against vLLM's own mapping in the tests above)
+            ops = g.batch_ops(refs, [s * slot + HEADER_BYTES for s in slots])
+            assert len(ops[0]) == (32 if kernel_jobs else 8)
+            p_t = pool.as_tensor()
+            for t, k, p, n in zip(*(a.tolist() for a in ops), strict=True):
+                assert torch.equal(p_t[p:p + n], g.flat[t][k:k + n].view(torch.uint8))
+            assert int(p_t.count_nonzero()) > 0
 
 
 def test_kernel_programs_env():
