@@ -754,3 +754,37 @@ def test_mixed_preload_workload_counts_tree_reads_cpu(tmp_path):
     assert "kvcache_nopreload/load: engine process spawned ahead" in p.stderr
     assert "imports done" in p.stderr, p.stderr[-3000:]
     assert "kvcache_nopreload/store: waited" in p.stderr
+
+
+def test_h200_call_stops_a_step_past_its_time_and_leaves_nothing(tmp_path):
+    """``scripts/h200_call.sh`` (the GPU machine's call wrapper) with a stand-in step that
+    outlives its time: the step's whole process group is gone afterwards (children
+    included), the log says it was stopped, and the results folder, kept for the next
+    call, is archived into $OUT; a step that ends in time is left to finish."""
+    import shutil
+
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    for name in ("h200_call.sh", "h200_stop.sh"):
+        shutil.copy(os.path.join(REPO, "scripts", name), scripts / name)
+    marker = f"sleep {900 + os.getpid() % 97}"  # this test's own child, found by name
+    step = scripts / "h200_runs.sh"
+    env = dict(os.environ, RES=str(tmp_path / "res"), OUT=str(tmp_path / "out"))
+    for body, limit, stopped in ((f"echo started; {marker}; echo never", "2", True),
+                                 ("echo quick; echo x > \"$RES/result.json\"", "60", False)):
+        step.write_text(f"#!/bin/bash\n{body}\n")
+        t0 = time.monotonic()
+        p = subprocess.run(["bash", "scripts/h200_call.sh", limit, "longdoc", "m"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        log = (tmp_path / "res" / "call-longdoc.log").read_text()
+        assert ("still running after 2s: stopping it" in log) == stopped, log
+        assert "never" not in log
+        if stopped:
+            assert time.monotonic() - t0 < 20
+            left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+            assert left.stdout.strip() == "", "the step's child outlived the call"
+        assert (tmp_path / "out" / "res.tgz").stat().st_size > 0
+    listing = subprocess.run(["tar", "tzf", str(tmp_path / "out" / "res.tgz")],
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert "res/result.json" in listing and "res/call-longdoc.log" in listing

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call's work on the GPU machine: a step of scripts/h200_runs.sh with a time
+# limit that leaves nothing behind, its results kept for a later call of the same lease
+# and copied to $OUT.
+#
+#   bash scripts/h200_call.sh SECONDS STEP MODEL      (environment as for h200_runs.sh)
+#
+# - sources the staged runtime (/tmp/rt/env.sh) when it is there;
+# - RES defaults to /tmp/res, which survives between calls while the machine is held:
+#   a longdoc-based step cut short resumes in the next call (--resume skips the
+#   configurations, or with ROUNDS the (configuration, round) pairs, already measured);
+#   FRESH=1 empties it first;
+# - after SECONDS, scripts/h200_stop.sh ends the step: the benchmark drivers kill their
+#   engine process groups (SIGTERM handler), then whatever still holds GPU memory is
+#   killed (`timeout` alone would end only the shell, and an orphaned engine core keeps
+#   its GPU memory: the next engine fails to start);
+# - the step's log goes to $RES/call-STEP.log; $RES is archived as $OUT/res.tgz.
+set -uo pipefail
+T=${1:?seconds}; STEP=${2:?step}; M=${3:?model}
+[ -f /tmp/rt/env.sh ] && source /tmp/rt/env.sh
+export RES=${RES:-/tmp/res}
+[ -n "${FRESH:-}" ] && rm -rf "$RES"
+mkdir -p "$RES"
+OUT=${OUT:-$RES/out}
+# its own process group, so that whatever of it is left can be killed as a whole
+setsid bash scripts/h200_runs.sh "$STEP" "$M" > "$RES/call-$STEP.log" 2>&1 &
+pid=$!
+end=$(( SECONDS + T ))
+while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 1; done
+if kill -0 "$pid" 2>/dev/null; then
+  echo "h200_call: $STEP still running after ${T}s: stopping it" | tee -a "$RES/call-$STEP.log"
+  bash scripts/h200_stop.sh >> "$RES/call-$STEP.log" 2>&1
+  kill -TERM -- "-$pid" 2>/dev/null
+  sleep 2
+  kill -KILL -- "-$pid" 2>/dev/null
+fi
+wait "$pid"; rc=$?
+bash scripts/h200_stop.sh >> "$RES/call-$STEP.log" 2>&1
+echo "h200_call: $STEP rc=$rc" | tee -a "$RES/call-$STEP.log"
+mkdir -p "$OUT"
+tar czf "$OUT/res.tgz" --exclude=out -C "$(dirname "$RES")" "$(basename "$RES")"
+exit 0
