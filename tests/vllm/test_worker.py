@@ -132,9 +132,11 @@ def test_worker_store_load_dram_and_disk(worker):
     # the direct path's time on this thread, by phase (exported with the worker timing)
     dt = w._direct_timing()
     assert set(dt) == {"direct_validate_s", "direct_ops_s", "direct_issue_s",
-                       "direct_issue_max_s", "direct_kernel_jobs"}
-    # no CUDA: dram_load_copy is always dma here, the gather kernel never runs
+                       "direct_issue_max_s", "direct_kernel_jobs", "store_kernel_jobs"}
+    # no CUDA: dram_load_copy and store_copy are always dma here, the gather kernel
+    # never runs
     assert w.copier.direct_copy == "dma" and dt.pop("direct_kernel_jobs") == 0
+    assert w.copier.store_copy == "dma" and dt.pop("store_kernel_jobs") == 0
     assert all(v > 0 for v in dt.values()), dt
     assert dt["direct_issue_max_s"] <= dt["direct_issue_s"]
     assert sum(dt[k] for k in ("direct_validate_s", "direct_ops_s", "direct_issue_s")) \
