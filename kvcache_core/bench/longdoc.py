@@ -1000,13 +1000,11 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def resume_rounds(old: dict, configs: list[str]) -> list[dict]:
     """``--resume`` with ``--rounds``: the rows of an earlier (cut short) run's
-    ``round_results`` for ``configs``, of every (config, round) that finished without an
-    error (every row of that pair). The run then measures only the other pairs, and its
-    medians include these rows."""
-    rows = [r for r in old.get("round_results", [])
-            if r.get("config") in configs and r.get("round") is not None]
-    bad = {(r["config"], r["round"]) for r in rows if "error" in r}
-    return [r for r in rows if (r["config"], r["round"]) not in bad and "error" not in r]
+    ``round_results`` for ``configs``, of every (config, round) that finished (a failed
+    pair has its one error row instead, and runs again). The run then measures only the
+    other pairs, and its medians include these rows."""
+    return [r for r in old.get("round_results", []) if r.get("config") in configs
+            and r.get("round") is not None and "error" not in r]
 
 
 def _schedule(configs: list[str], rounds: int) -> list[tuple[str, int]]:
