@@ -15,12 +15,14 @@
 #   bash scripts/h200_runs.sh wbab    llama-3.2-3b   # issue 9: write-back deferred vs not (A/B)
 #   bash scripts/h200_runs.sh dcab    llama-3.2-3b   # issue 9: DRAM-hit copy dma vs kernel (A/B)
 #   bash scripts/h200_runs.sh scab    llama-3.2-3b   # issue 9: store copy dma vs kernel (A/B)
+#   VARIANTS=... CONFIGS=... TOKENS=... bash scripts/h200_runs.sh vab llama-3.2-3b
+#                                                    # any variants side by side (see the step)
 #   bash scripts/h200_runs.sh sharegpt llama-3.2-3b  # issue 9 item 4: ShareGPT replay, 5 configs
 #   bash scripts/h200_runs.sh scbench llama-3.2-3b   # issue 10 item 3: multi-turn shared contexts
 #   WORKLOAD=.gpu/wl-longbench-docs.jsonl.gz bash scripts/h200_runs.sh replay llama-3.2-3b
 #                                                    # issue 11: one workload, all configs
 set -euo pipefail
-STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|replay|scbench|wbab|dcab|scab}
+STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|replay|scbench|wbab|dcab|scab|vab}
 M=${2:?model: llama-3.2-3b|llama-3.1-8b}
 RES=${RES:-/tmp/res}
 ROOT=${ROOT:-/tmp/ldroot}
@@ -134,6 +136,21 @@ case "$STEP" in
     done
     "${B[@]}" --no-probe --tokens "$TOK" --rounds "$ROUNDS" "${VA[@]}" \
       --configs "$(IFS=,; echo "${CF[*]}")" --json "$RES/$STEP-$M.json" || true ;;
+  vab)
+    # A/B of py-kvcache variants beside built-in configurations, one longdoc run over
+    # ROUNDS rounds (default 3; order reversed every other round, engines spawned ahead):
+    # VARIANTS="NAME=BASE:KEY=JSON[;KEY=JSON] ..." (each one --variant), CONFIGS the
+    # whole list in run order (variant names and built-in configurations), TOKENS the
+    # sizes. Result: $RES/vab-$NAME-$M.json (NAME default "ab"; rows: medians over the
+    # rounds, round_results: every round's rows). E.g. what a 1k storing request pays for
+    # (twenty-second session): NAME=s1k TOKENS=1024,4096 VARIANTS='kvcache_dram_nowb=
+    # kvcache_dram:disk_admission="reuse" kvcache_dram_si0=kvcache_dram:switch_interval_s=0'
+    # CONFIGS=recompute,native_cpu,kvcache_dram,kvcache_dram_nowb,kvcache_dram_si0
+    VA=()
+    for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
+    "${B[@]}" --no-probe --tokens "${TOKENS:?TOKENS=sizes}" --rounds "${ROUNDS:-3}" \
+      ${VA[@]+"${VA[@]}"} --configs "${CONFIGS:?CONFIGS=list}" \
+      --json "$RES/vab-${NAME:-ab}-$M.json" || true ;;
   trace)
     # diagnostics: per request, the reactor's events and the engine's steps (host time
     # launching each forward) inside its TTFT window; TOKENS and CONFIGS narrow a call.

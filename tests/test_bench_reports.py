@@ -426,6 +426,20 @@ def test_resume_rounds_keeps_only_finished_pairs():
     assert L.resume_rounds({"results": []}, ["a"]) == []
 
 
+def test_resume_rounds_counts_a_single_round_file_as_round_one():
+    """A file of a run without ``--rounds`` holds single measurements in ``results``:
+    resumed with ``--rounds 2`` they are round 1 (not measured again, not dropped);
+    median rows of a rounds run (``rounds`` key) never count as a round."""
+    old = {"results": [{"config": "a", "tokens": 1024, "ttft_hit_s": 0.1},
+                       {"config": "b", "error": "engine run failed"},
+                       {"config": "c", "tokens": 1024, "ttft_hit_s": 0.2}]}
+    got = L.resume_rounds(old, ["a", "b"])
+    assert [(r["config"], r["tokens"], r["round"]) for r in got] == [("a", 1024, 1)]
+    assert "round" not in old["results"][0]  # the old rows are not changed
+    medians = {"results": [{"config": "a", "tokens": 1024, "rounds": 2}]}
+    assert L.resume_rounds(medians, ["a"]) == []
+
+
 def test_resume_with_rounds_runs_only_the_missing_pairs(tmp_path):
     """A ``--rounds 2`` run cut short after round 1 (its file written after every
     configuration) resumes with round 2 only: nothing measured twice, the medians over

@@ -1002,8 +1002,15 @@ def resume_rounds(old: dict, configs: list[str]) -> list[dict]:
     """``--resume`` with ``--rounds``: the rows of an earlier (cut short) run's
     ``round_results`` for ``configs``, of every (config, round) that finished (a failed
     pair has its one error row instead, and runs again). The run then measures only the
-    other pairs, and its medians include these rows."""
-    return [r for r in old.get("round_results", []) if r.get("config") in configs
+    other pairs, and its medians include these rows. A file written without ``--rounds``
+    (no ``round_results``; its ``results`` rows are single measurements) counts as round
+    1, so that ``--rounds 2`` on it measures round 2 only (the twenty-second session's 8B
+    call ran round 1 again and overwrote the earlier call's rows)."""
+    rows = old.get("round_results")
+    if rows is None:
+        rows = [dict(r, round=1) for r in old.get("results", [])
+                if r.get("rounds") is None and r.get("round") is None]
+    return [r for r in rows if r.get("config") in configs
             and r.get("round") is not None and "error" not in r]
 
 
