@@ -99,6 +99,13 @@ KEY_HELP: dict[str, str] = {
     "default because on the H200 reference disk (1.5-2.1 GB/s, where a 3B model "
     "recomputes 32k tokens faster than it reads them) it made the measured workloads "
     "slower (docs/results/h200/README.md). true or false.",
+    "writeback_defer_s": "Seconds after the last store or load was handed to the I/O "
+    "reactor (vLLM has just run a prefill, or a hit is loading) during which no new "
+    "write-back file is started, unless half the DRAM tier (at least 8 blocks) waits to be "
+    "written: the background disk writes then keep out of the way of the steps that are "
+    "computing or loading. 0 (default) starts them at once. For the H200 A/B of issue 9's "
+    "storing requests (scripts/h200_runs.sh vab; the env KVCACHE_WRITEBACK_DEFER_MS of "
+    "older runs does the same when this key is 0). 0..10.",
     "disk_admission": "Which stored blocks get a file: 'all' (default: every stored block, "
     "written in the background) or 'reuse' (a block's first store keeps it in the DRAM "
     "tier only; its file is written once a request reads it from there, or when it is "
@@ -201,6 +208,7 @@ class StorageConfig:
     eviction_policy: str = "lru-admit"
     writeback_max_fraction: float = 0.5
     writeback_flush: bool = False
+    writeback_defer_s: float = 0.0
     disk_admission: str = "all"
     block_size: int = 256
     max_disk_bytes: int = 0
@@ -266,6 +274,9 @@ class StorageConfig:
              and not isinstance(self.writeback_max_fraction, bool)
              and 0 < self.writeback_max_fraction <= 1, "writeback_max_fraction",
              "must be a number in (0, 1]")
+        need(isinstance(self.writeback_defer_s, (int, float)) and not isinstance(
+            self.writeback_defer_s, bool) and 0 <= self.writeback_defer_s <= 10,
+             "writeback_defer_s", "must be a number of seconds in 0..10 (0 = off)")
         need(self.disk_admission in ("all", "reuse"), "disk_admission",
              "must be 'all' or 'reuse'")
         need(self.direct_io in ("auto", "on", "off"), "direct_io", "must be auto, on or off")

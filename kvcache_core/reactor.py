@@ -277,6 +277,9 @@ class Reactor(LoadRouting):
     store with ``NO_DISK`` only fills the slot. ``ref`` is what the copier reads/writes.
     ``on_complete`` (optional) is called on the reactor thread for every completion, in
     addition to queueing it for :meth:`poll`; it must not block.
+    ``writeback_defer_s`` (config key of the same name, 0 = off): no new write-back file
+    starts within that many seconds of the last load or store submission or
+    :meth:`note_foreground`, unless the write-back queue is past its high-water mark.
     """
 
     def __init__(self, layout: Layout, *, n_slots: int, external_slots: int = 0,
@@ -290,7 +293,10 @@ class Reactor(LoadRouting):
                  switch_interval_scope: str = "process",
                  trace: bool = False, early_store_ack: bool = False,
                  store_policy: str = "wait", write_depth: int | None = None,
-                 io_timeout_s: float = 0.0, store_copy_wait: str = "poll") -> None:
+                 io_timeout_s: float = 0.0, store_copy_wait: str = "poll",
+                 writeback_defer_s: float = 0.0) -> None:
+        if not 0 <= writeback_defer_s <= 10:
+            raise ValueError(f"writeback_defer_s must be in 0..10, got {writeback_defer_s!r}")
         if store_copy_wait not in STORE_COPY_WAITS:
             raise ValueError(f"store_copy_wait must be one of {STORE_COPY_WAITS}, got "
                              f"{store_copy_wait!r}")
@@ -329,11 +335,12 @@ class Reactor(LoadRouting):
         if not 1 <= write_depth <= io_depth:
             raise ValueError(f"write_depth must be in 1..io_depth, got {write_depth}")
         self.write_depth = write_depth
-        #: Diagnostic knob (env ``KVCACHE_WRITEBACK_DEFER_MS``, default 0 = off): after any
-        #: new request (or :meth:`note_foreground`), start no write-back file for this
-        #: long, unless more than half the caller-owned slots (or 8) wait to be written.
-        #: For measuring how much background writes cost foreground work (issue 9).
-        self.writeback_defer_s = max(0.0, float(os.environ.get(
+        #: ``writeback_defer_s`` (config key; when 0, env ``KVCACHE_WRITEBACK_DEFER_MS`` of
+        #: older runs): after any new load or store (or :meth:`note_foreground`), start no
+        #: write-back file for this long, unless more than half the caller-owned slots (or
+        #: 8) wait to be written. For measuring how much background writes cost foreground
+        #: work (issue 9); 0 = off.
+        self.writeback_defer_s = writeback_defer_s or max(0.0, float(os.environ.get(
             "KVCACHE_WRITEBACK_DEFER_MS", "0") or 0)) / 1000.0
         self._fg_stamp = 0.0
         self._defer_left: float | None = None

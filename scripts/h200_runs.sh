@@ -143,9 +143,11 @@ case "$STEP" in
     # whole list in run order (variant names and built-in configurations), TOKENS the
     # sizes. Result: $RES/vab-$NAME-$M.json (NAME default "ab"; rows: medians over the
     # rounds, round_results: every round's rows). E.g. what a 1k storing request pays for
-    # (twenty-second session): NAME=s1k TOKENS=1024,4096 VARIANTS='kvcache_dram_nowb=
-    # kvcache_dram:disk_admission="reuse" kvcache_dram_si0=kvcache_dram:switch_interval_s=0'
-    # CONFIGS=recompute,native_cpu,kvcache_dram,kvcache_dram_nowb,kvcache_dram_si0
+    # (twenty-second session's plan): NAME=s1k TOKENS=1024,4096 ROUNDS=2
+    # VARIANTS='kvcache_dram_nowb=kvcache_dram:disk_admission="reuse"
+    # kvcache_dram_defer=kvcache_dram:writeback_defer_s=0.05
+    # kvcache_dram_si0=kvcache_dram:switch_interval_s=0'
+    # CONFIGS=recompute,kvcache_dram,kvcache_dram_nowb,kvcache_dram_defer,kvcache_dram_si0
     VA=()
     for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
     "${B[@]}" --no-probe --tokens "${TOKENS:?TOKENS=sizes}" --rounds "${ROUNDS:-3}" \

@@ -62,6 +62,10 @@ def test_config_unknown_key_is_named():
     ("switch_interval_s", 0.5),
     ("switch_interval_s", True),
     ("switch_interval_scope", "loads"),
+    ("writeback_defer_s", -0.01),
+    ("writeback_defer_s", 11),
+    ("writeback_defer_s", "0.05"),
+    ("writeback_defer_s", False),
 ])
 def test_config_bad_value_names_the_key(key, value):
     assert_config_error_names_key(key, value)

@@ -152,20 +152,34 @@ def test_wait_policy_queues_stores_behind_the_disk(make_layout):
         r.close()
 
 
+def test_writeback_defer_is_checked(make_layout):
+    with pytest.raises(ValueError, match="writeback_defer_s"):
+        Reactor(make_layout(), n_slots=4, io_depth=2, copier=MemcpyCopier, pin=False,
+                engine="posix", writeback_defer_s=-1)
+
+
 def test_store_policy_is_checked(make_layout):
     with pytest.raises(ValueError, match="store_policy"):
         Reactor(make_layout(), n_slots=4, io_depth=2, copier=MemcpyCopier, pin=False,
                 engine="posix", store_policy="block")
 
 
-def test_writeback_defer_knob_holds_files_behind_foreground_work(make_layout, monkeypatch):
-    """Diagnostic knob ``KVCACHE_WRITEBACK_DEFER_MS``: after a request arrives, no
-    write-back file starts for that long (the store is still acknowledged at once);
-    then the files follow without any further request."""
-    monkeypatch.setenv("KVCACHE_WRITEBACK_DEFER_MS", "400")
+@pytest.mark.parametrize("how", ["config", "env"])
+def test_writeback_defer_knob_holds_files_behind_foreground_work(make_layout, monkeypatch,
+                                                                 how):
+    """``writeback_defer_s`` (config key; the env ``KVCACHE_WRITEBACK_DEFER_MS`` of older
+    runs): after a request arrives, no write-back file starts for that long (the store is
+    still acknowledged at once); then the files follow without any further request."""
+    kw = {}
+    if how == "env":
+        monkeypatch.setenv("KVCACHE_WRITEBACK_DEFER_MS", "400")
+    else:
+        monkeypatch.delenv("KVCACHE_WRITEBACK_DEFER_MS", raising=False)
+        kw["writeback_defer_s"] = 0.4
     lay = make_layout()
     r = Reactor(lay, n_slots=6, io_depth=2, copier=MemcpyCopier, pin=False, engine="posix",
-                early_store_ack=True, store_policy="drop")
+                early_store_ack=True, store_policy="drop", **kw)
+    assert r.writeback_defer_s == pytest.approx(0.4)
     try:
         ks = keys_of("defer", 3)
         r.store("S", items(ks))

@@ -127,7 +127,8 @@ class PyKVCacheWorker(OffloadingWorker):
                 store_policy="drop", io_timeout_s=storage.io_timeout_s,
                 switch_interval=storage.switch_interval_s or None,
                 switch_interval_scope=storage.switch_interval_scope,
-                store_copy_wait=storage.store_copy_wait)
+                store_copy_wait=storage.store_copy_wait,
+                writeback_defer_s=float(storage.writeback_defer_s))
         except BaseException:
             self.layout.close()
             raise

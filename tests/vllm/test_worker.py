@@ -424,6 +424,26 @@ def test_store_copy_wait_reaches_the_reactor(tmp_path, vllm_available):
         w.shutdown()
 
 
+def test_writeback_defer_key_reaches_the_reactor(tmp_path, monkeypatch, vllm_available):
+    """``writeback_defer_s`` reaches the worker's reactor: a store is acknowledged at
+    once and its file follows only after the deferral (nothing else arrives)."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvcache_core.vllm.job_specs import PyKVStoreSpec
+
+    monkeypatch.delenv("KVCACHE_WRITEBACK_DEFER_MS", raising=False)
+    w = _make_worker(tmp_path, dram_files=2, writeback_defer_s=0.5)
+    try:
+        assert w.reactor.writeback_defer_s == pytest.approx(0.5)
+        t0 = time.monotonic()
+        w.submit_store(1, GPULoadStoreSpec([3, 5], [2], [0]), PyKVStoreSpec([key(1)], [0]))
+        _run(w, 1)
+        assert w.reactor.wait(30) and w.layout.exists(key(1))
+        assert time.monotonic() - t0 >= 0.45  # the file waited for the deferral
+    finally:
+        w.shutdown()
+
+
 def test_worker_trace_marks_dram_hit_issues(tmp_path, monkeypatch, vllm_available):
     """With ``KVCACHE_TRACE`` set, the worker asks its copier to time DRAM-hit copies and
     records each one's issue (``direct_issued``, microseconds on this thread) and
