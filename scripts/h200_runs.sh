@@ -146,8 +146,9 @@ case "$STEP" in
     # (twenty-second session's plan): NAME=s1k TOKENS=1024,4096 ROUNDS=2
     # VARIANTS='kvcache_dram_nowb=kvcache_dram:disk_admission="reuse"
     # kvcache_dram_defer=kvcache_dram:writeback_defer_s=0.05
-    # kvcache_dram_si0=kvcache_dram:switch_interval_s=0'
-    # CONFIGS=recompute,kvcache_dram,kvcache_dram_nowb,kvcache_dram_defer,kvcache_dram_si0
+    # kvcache_dram_si0=kvcache_dram:switch_interval_s=0
+    # kvcache_dram_block=kvcache_dram:store_copy_wait="block"' CONFIGS=recompute,
+    # kvcache_dram,kvcache_dram_nowb,kvcache_dram_defer,kvcache_dram_si0,kvcache_dram_block
     VA=()
     for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
     "${B[@]}" --no-probe --tokens "${TOKENS:?TOKENS=sizes}" --rounds "${ROUNDS:-3}" \
