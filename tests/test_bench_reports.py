@@ -426,6 +426,34 @@ def test_resume_rounds_keeps_only_finished_pairs():
     assert L.resume_rounds({"results": []}, ["a"]) == []
 
 
+def test_round_ratios_and_the_drift_balanced_mean(tmp_path):
+    """Per-round ratios pair each round with the same round's reference; the balanced
+    mean cancels a steady drift of the machine under the reversed order (rounds 1 and 3
+    ran A after B, round 2 B after A: per-round log ratios +d, -d, +d), where the median
+    keeps the bias; the table shows both."""
+    rows = []
+    for rnd, (a, b) in enumerate(((1.1, 1.0), (1.0, 1.1), (1.1, 1.0)), start=1):
+        rows += [{"config": "recompute", "tokens": 1024, "round": rnd, "ttft_cold_s": b,
+                  "ttft_hit_s": b},
+                 {"config": "kvcache_dram", "tokens": 1024, "round": rnd, "ttft_cold_s": a,
+                  "ttft_hit_s": a}]
+    rows.append({"config": "kvcache_dram", "tokens": 4096, "round": 1, "ttft_cold_s": 2.0,
+                 "ttft_hit_s": 2.0})  # no recompute row in that round: no ratio
+    out = {"rounds": 3, "round_results": rows}
+    r = L.round_ratios(out, "ttft_cold_s", "recompute")
+    assert r[("kvcache_dram", 1024)] == pytest.approx([1.1, 1 / 1.1, 1.1])
+    assert ("kvcache_dram", 4096) not in r
+    assert L.balanced_ratio(r[("kvcache_dram", 1024)]) == pytest.approx(1.0)
+    assert L.balanced_ratio([1.2, None]) is None and L.balanced_ratio([1.2]) is None
+    assert L.balanced_ratio([1.21, 1.0]) == pytest.approx(1.1)
+    lines = L._round_ratio_tables(out, ["recompute", "kvcache_dram"], [1024, 4096])
+    text = "\n".join(lines)
+    assert "| 1024 | 1.10 / 0.91 / 1.10 (balanced **1.00**) |" in text
+    assert "| 4096 | - |" in text
+    assert "native_cpu" not in text  # no hit table without native_cpu rows
+    assert L._round_ratio_tables({"rounds": 1, "round_results": rows}, ["x"], [1]) == []
+
+
 def test_resume_rounds_counts_a_single_round_file_as_round_one():
     """A file of a run without ``--rounds`` holds single measurements in ``results``:
     resumed with ``--rounds 2`` they are round 1 (not measured again, not dropped);

@@ -84,6 +84,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -1388,11 +1389,72 @@ def write_table(out: dict, path: str) -> None:
             cells.append(cell)
         lines.append(f"| {d} | {rec:.3f} | " if rec else f"| {d} | - | ")
         lines[-1] += " | ".join(cells) + " |"
+    lines += _round_ratio_tables(out, cfgs, sizes)
     errs = [r for r in out["results"] if "error" in r]
     for e in errs:
         lines.append(f"\n{e['config']}: {e['error']}")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def round_ratios(out: dict, key: str, ref: str) -> dict[tuple[str, int], list[float | None]]:
+    """Per (config, tokens): ``key`` of each round over the same round's ``key`` of
+    configuration ``ref`` (``round_results`` of a ``--rounds`` run, rounds in order;
+    None where either row is missing). A machine that speeds up or slows down between
+    rounds moves both sides of a same-round ratio alike."""
+    rows = [r for r in out.get("round_results", []) if "error" not in r and key in r]
+    base = {(r["tokens"], r["round"]): r[key] for r in rows if r["config"] == ref}
+    rounds = sorted({r["round"] for r in rows})
+    got: dict[tuple[str, int], dict[int, float]] = {}
+    for r in rows:
+        b = base.get((r["tokens"], r["round"]))
+        if r["config"] != ref and b and r[key] is not None:
+            got.setdefault((r["config"], r["tokens"]), {})[r["round"]] = r[key] / b
+    return {k: [v.get(n) for n in rounds] for k, v in got.items()}
+
+
+def balanced_ratio(ratios: list[float | None]) -> float | None:
+    """The drift-balanced mean of per-round ratios (rounds in run order): a geometric
+    mean with weight 1/2 on the first and last round and 1 on the others. With the order
+    of configurations reversed every other round (``--rounds``), a machine that gets
+    steadily faster or slower through the run moves the per-round log ratios by +d, -d,
+    +d, ...; these weights cancel that for any number of rounds, where a plain mean or
+    median of three rounds keeps a bias toward whichever side ran later twice. None if a
+    round is missing or there is only one."""
+    if len(ratios) < 2 or any(r is None or r <= 0 for r in ratios):
+        return None
+    w = [0.5 if i in (0, len(ratios) - 1) else 1.0 for i in range(len(ratios))]
+    return math.exp(sum(wi * math.log(r) for wi, r in zip(w, ratios, strict=True)) / sum(w))
+
+
+def _round_ratio_tables(out: dict, cfgs: list[str], sizes: list[int]) -> list[str]:
+    """With more than one round: cold TTFT over the same round's recompute, and hit TTFT
+    over the same round's native_cpu, per round and drift-balanced
+    (:func:`balanced_ratio`)."""
+    if out.get("rounds", 1) < 2:
+        return []
+    lines: list[str] = []
+    for key, ref, what in (("ttft_cold_s", "recompute", "Cold (storing) TTFT"),
+                           ("ttft_hit_s", "native_cpu", "Hit TTFT")):
+        ratios = round_ratios(out, key, ref)
+        shown = [c for c in cfgs if c != ref and any((c, d) in ratios for d in sizes)]
+        if not shown:
+            continue
+        lines += ["", f"{what} over the same round's {ref}, round by round (run order), "
+                  "and balanced over the rounds (geometric mean, first and last round "
+                  "weighted 1/2: a machine that speeds up or slows down through the run "
+                  "cancels out, since the order is reversed every other round):", "",
+                  "| tokens | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown)]
+        for d in sizes:
+            cells = []
+            for c in shown:
+                rs = ratios.get((c, d)) or []
+                bal = balanced_ratio(rs)
+                cells.append("-" if not any(x is not None for x in rs) else " / ".join(
+                    "-" if x is None else f"{x:.2f}" for x in rs)
+                    + (f" (balanced **{bal:.2f}**)" if bal is not None else ""))
+            lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(out: dict, path: str) -> None:
