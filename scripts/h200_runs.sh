@@ -49,6 +49,16 @@ if [ -n "${NOPRESPAWN:-}" ]; then B+=(--no-prespawn); fi
 # one itself (e.g. GATE=docs/results/h200/breakeven-$M.json CONFIGS=kvcache_disk_gate scbench)
 if [ -n "${GATE:-}" ]; then B+=(--gate-table "$GATE"); fi
 SFX=${SUFFIX:-}
+# one longdoc run of --variant arms beside built-in configurations over rounds (dcab,
+# scab, vab): variants_run TOKENS ROUNDS CONFIGS JSON [NAME=BASE:KEY=JSON ...]
+variants_run() {
+  local tok=$1 rounds=$2 configs=$3 json=$4 v
+  shift 4
+  local va=()
+  for v in "$@"; do va+=(--variant "$v"); done
+  "${B[@]}" --no-probe --tokens "$tok" --rounds "$rounds" ${va[@]+"${va[@]}"} \
+    --configs "$configs" --json "$json" || true
+}
 case "$STEP" in
   longdoc)
     # ROUNDS (default 1): the configuration list that many times, order reversed every
@@ -129,13 +139,13 @@ case "$STEP" in
       DEF_ARMS="dma auto native_cpu recompute"; DEF_TOK=1024,4096,16384,65536; fi
     ROUNDS=${ROUNDS:-3}; ARMS=${ARMS:-$DEF_ARMS}; TOK=${TOKENS:-$DEF_TOK}
     export KVCACHE_VERIFY_DIRECT=${KVCACHE_VERIFY_DIRECT-1}
-    CF=(); VA=()
+    CF=(); VS=()
     for a in $ARMS; do
       case "$a" in native_cpu|recompute) CF+=("$a"); continue ;; esac
-      CF+=("$PFX$a"); VA+=(--variant "$PFX$a=kvcache_dram:$KEY=\"$a\"")
+      CF+=("$PFX$a"); VS+=("$PFX$a=kvcache_dram:$KEY=\"$a\"")
     done
-    "${B[@]}" --no-probe --tokens "$TOK" --rounds "$ROUNDS" "${VA[@]}" \
-      --configs "$(IFS=,; echo "${CF[*]}")" --json "$RES/$STEP-$M.json" || true ;;
+    variants_run "$TOK" "$ROUNDS" "$(IFS=,; echo "${CF[*]}")" "$RES/$STEP-$M.json" \
+      ${VS[@]+"${VS[@]}"} ;;
   vab)
     # A/B of py-kvcache variants beside built-in configurations, one longdoc run over
     # ROUNDS rounds (default 3; order reversed every other round, engines spawned ahead):
@@ -149,11 +159,9 @@ case "$STEP" in
     # kvcache_dram_si0=kvcache_dram:switch_interval_s=0
     # kvcache_dram_block=kvcache_dram:store_copy_wait="block"' CONFIGS=recompute,
     # kvcache_dram,kvcache_dram_nowb,kvcache_dram_defer,kvcache_dram_si0,kvcache_dram_block
-    VA=()
-    for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
-    "${B[@]}" --no-probe --tokens "${TOKENS:?TOKENS=sizes}" --rounds "${ROUNDS:-3}" \
-      ${VA[@]+"${VA[@]}"} --configs "${CONFIGS:?CONFIGS=list}" \
-      --json "$RES/vab-${NAME:-ab}-$M.json" || true ;;
+    # shellcheck disable=SC2086  # one variant per word
+    variants_run "${TOKENS:?TOKENS=sizes}" "${ROUNDS:-3}" "${CONFIGS:?CONFIGS=list}" \
+      "$RES/vab-${NAME:-ab}-$M.json" ${VARIANTS:-} ;;
   trace)
     # diagnostics: per request, the reactor's events and the engine's steps (host time
     # launching each forward) inside its TTFT window; TOKENS and CONFIGS narrow a call.

@@ -1400,16 +1400,20 @@ def write_table(out: dict, path: str) -> None:
 def round_ratios(out: dict, key: str, ref: str) -> dict[tuple[str, int], list[float | None]]:
     """Per (config, tokens): ``key`` of each round over the same round's ``key`` of
     configuration ``ref`` (``round_results`` of a ``--rounds`` run, rounds in order;
-    None where either row is missing). A machine that speeds up or slows down between
-    rounds moves both sides of a same-round ratio alike."""
+    None where either row is missing). ``ttft_hit_s`` is read as the main table reads
+    it (:func:`_hit`: the first access for the cold-process disk configurations). A
+    machine that speeds up or slows down between rounds moves both sides of a
+    same-round ratio alike."""
     rows = [r for r in out.get("round_results", []) if "error" not in r and key in r]
-    base = {(r["tokens"], r["round"]): r[key] for r in rows if r["config"] == ref}
+    val = _hit if key == "ttft_hit_s" else (lambda r: r[key])
+    base = {(r["tokens"], r["round"]): val(r) for r in rows if r["config"] == ref}
     rounds = sorted({r["round"] for r in rows})
     got: dict[tuple[str, int], dict[int, float]] = {}
     for r in rows:
         b = base.get((r["tokens"], r["round"]))
-        if r["config"] != ref and b and r[key] is not None:
-            got.setdefault((r["config"], r["tokens"]), {})[r["round"]] = r[key] / b
+        v = val(r)
+        if r["config"] != ref and b and v is not None:
+            got.setdefault((r["config"], r["tokens"]), {})[r["round"]] = v / b
     return {k: [v.get(n) for n in rounds] for k, v in got.items()}
 
 
