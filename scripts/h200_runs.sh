@@ -42,6 +42,9 @@ B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$RO
 KVX=()  # the same keys for the server-based steps (sharegpt, replay)
 for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); KVX+=(--kv-extra "$kv"); done
 if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
+# SMALLDOCS=N: documents per engine at sizes below 16k (default 8; more of them narrow a
+# per-engine median at 1k, where one request's spread is the size of the effect)
+if [ -n "${SMALLDOCS:-}" ]; then B+=(--small-docs "$SMALLDOCS"); fi
 # NOPRESPAWN=1: each engine process starts only when its turn comes (the harness before
 # the twentieth session; use it if a run's log shows engines failing to start)
 if [ -n "${NOPRESPAWN:-}" ]; then B+=(--no-prespawn); fi

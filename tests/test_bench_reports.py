@@ -615,6 +615,25 @@ def test_variant_names_a_kvcache_config_with_extra_keys():
         "recompute", "kvcache_dram", "kvcache_dram_dma"]
 
 
+def test_variant_env_keys_set_the_engine_process_environment():
+    """``env.VAR`` keys: any base (recompute included) may set environment variables of
+    its engine process; they are not py-kvcache config keys and the row says them."""
+    name, base, kvs = L._variant('recompute_hnd=recompute:env.VLLM_KV_CACHE_LAYOUT="HND"')
+    assert (name, base) == ("recompute_hnd", "recompute")
+    mixed = L._variant('kvcache_dram_x=kvcache_dram:io_depth=4;env.FOO=3')
+    args = SimpleNamespace(_variants={name: (base, kvs), mixed[0]: (mixed[1], mixed[2])})
+    assert L.variant_env(args, "recompute_hnd") == {"VLLM_KV_CACHE_LAYOUT": "HND"}
+    assert L.variant_keys(args, "recompute_hnd") == []
+    assert L.variant_env(args, "kvcache_dram_x") == {"FOO": "3"}
+    assert L.variant_keys(args, "kvcache_dram_x") == [("io_depth", 4)]
+    assert L.variant_env(args, "recompute") == {}
+    for bad in ("recompute_x=recompute:io_depth=4",  # a config key needs a kvcache base
+                "recompute_x=recompute:env.=1",  # no variable name
+                'recompute_x=recompute:env.A={"a": 1}'):  # not a string or number
+        with pytest.raises(Exception, match="--variant"):
+            L._variant(bad)
+
+
 def test_group_alive_ignores_zombies():
     """The driver starts the next engine once the previous one's process group is gone;
     a zombie (exited, not reaped: holds no memory) does not count as alive."""

@@ -151,27 +151,51 @@ def _kv_extra(text: str) -> tuple[str, Any]:
         return key, val
 
 
+#: prefix of a ``--variant`` key that sets an environment variable of the engine process
+#: instead of a py-kvcache config key (``env.VLLM_KV_CACHE_LAYOUT="HND"``)
+ENV_KEY_PREFIX = "env."
+
+
 def _variant(text: str) -> tuple[str, str, list[tuple[str, Any]]]:
-    """``NAME=BASE:KEY=JSON[;KEY=JSON...]`` of ``--variant``: the py-kvcache configuration
-    ``BASE`` with extra config keys, run and reported under ``NAME`` (a new name of
-    letters, digits and '_' that starts with ``BASE_``)."""
+    """``NAME=BASE:KEY=JSON[;KEY=JSON...]`` of ``--variant``: the configuration ``BASE``
+    with extra keys, run and reported under ``NAME`` (a new name of letters, digits and
+    '_' that starts with ``BASE_``). A key ``env.VAR`` sets the environment variable VAR
+    of the variant's engine process (any BASE, e.g. ``recompute_hnd=recompute:
+    env.VLLM_KV_CACHE_LAYOUT="HND"``); any other key is a py-kvcache config key (BASE a
+    py-kvcache configuration)."""
     name, sep, rest = text.partition("=")
     base, sep2, keys = rest.partition(":")
-    if not (sep and sep2 and keys and base.startswith("kvcache") and base in ALL_CONFIGS
+    kvs = [_kv_extra(kv) for kv in keys.split(";") if kv] if sep2 else []
+    cfg_keys = [k for k, _ in kvs if not k.startswith(ENV_KEY_PREFIX)]
+    bad_env = [k for k, v in kvs if k.startswith(ENV_KEY_PREFIX)
+               and (len(k) == len(ENV_KEY_PREFIX) or not isinstance(v, (str, int, float)))]
+    if not (sep and sep2 and kvs and base in ALL_CONFIGS and not bad_env
+            and (base.startswith("kvcache") or not cfg_keys)
             and name.startswith(base + "_") and name not in ALL_CONFIGS
             and name.replace("_", "").isalnum()):
         raise argparse.ArgumentTypeError(
             f"--variant {text!r}: expected NAME=BASE:KEY=JSON[;KEY=JSON], BASE one of "
-            + ", ".join(c for c in ALL_CONFIGS if c.startswith("kvcache"))
-            + ", NAME a new name of letters, digits and '_' starting with BASE_ (e.g. "
-            "kvcache_dram_dma=kvcache_dram:dram_load_copy=\"dma\")")
-    return name, base, [_kv_extra(kv) for kv in keys.split(";") if kv]
+            + ", ".join(ALL_CONFIGS) + ", NAME a new name of letters, digits and '_' "
+            "starting with BASE_, KEY a py-kvcache config key (BASE a kvcache "
+            "configuration) or env.VAR with a string or number (any BASE) (e.g. "
+            "kvcache_dram_dma=kvcache_dram:dram_load_copy=\"dma\", "
+            "recompute_hnd=recompute:env.VLLM_KV_CACHE_LAYOUT=\"HND\")")
+    return name, base, kvs
 
 
 def variant_keys(args, name: str) -> list[tuple[str, Any]]:
-    """The extra config keys of a ``--variant`` name (``[]`` for a built-in one)."""
+    """The extra py-kvcache config keys of a ``--variant`` name (``[]`` for a built-in
+    one; its ``env.`` keys are :func:`variant_env`)."""
     v = getattr(args, "_variants", None) or {}
-    return list(v[name][1]) if name in v else []
+    return [(k, x) for k, x in v[name][1] if not k.startswith(ENV_KEY_PREFIX)] \
+        if name in v else []
+
+
+def variant_env(args, name: str) -> dict[str, str]:
+    """The environment variables a ``--variant`` name sets in its engine process."""
+    v = getattr(args, "_variants", None) or {}
+    return {k[len(ENV_KEY_PREFIX):]: str(x) for k, x in v[name][1]
+            if k.startswith(ENV_KEY_PREFIX)} if name in v else {}
 
 
 def base_of(args, name: str) -> str:
@@ -429,7 +453,8 @@ class _Child:
         for k, v in list(args.kv_extra) + variant_keys(args, config):
             cmd += ["--kv-extra", f"{k}={json.dumps(v)}"]
         env = dict(os.environ, PYTHONHASHSEED="0",
-                   KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"))
+                   KVCACHE_STATS_FILE=os.path.join(args.work, f"{config}-{phase}.stats"),
+                   **variant_env(args, config))
         if args.trace:
             env["KVCACHE_TRACE"] = os.path.join(args.trace, f"{config}-{phase}")
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -1128,6 +1153,8 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
             keys = list(args.kv_extra) + variant_keys(args, cfg)
             if keys and base.startswith("kvcache"):
                 row["kv_extra"] = dict(keys)
+            if variant_env(args, cfg):
+                row["env"] = variant_env(args, cfg)
             if base != cfg:
                 row["base"] = base
             if args.rounds > 1:

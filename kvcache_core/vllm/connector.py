@@ -53,6 +53,7 @@ from ..config import ConfigError
 from . import compat
 from .connector_scheduler import SchedulerSide
 from .options import (
+    GPU_KV_LAYOUTS,
     MODEL_DTYPE_KEY,
     MODEL_IDENTITY_KEY,
     VllmOptions,
@@ -113,6 +114,10 @@ def prepare_vllm_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
             f"\"spec_module_path\": \"{SPEC_MODULE}\" (got {extra.get('spec_name')!r}, "
             f"{extra.get('spec_module_path')!r})")
     opts = parse_extra_config(extra)
+    if opts.gpu_kv_layout != GPU_KV_LAYOUTS[0] and compat.IS_0_32:
+        raise ConfigError(f"py-kvcache config key 'gpu_kv_layout': "
+                          f"'{opts.gpu_kv_layout}' is for vLLM 0.26 only (this is "
+                          f"vLLM {compat.VLLM_VERSION}); leave it unset")
     if vllm_config.cache_config.block_size:
         check_block_size(opts, vllm_config.cache_config.block_size * max(
             1, vllm_config.parallel_config.decode_context_parallel_size))
@@ -160,6 +165,9 @@ class OffloadingConnector(_VllmOffloadingConnector):
         self._sched: SchedulerSide | None = None
         #: worker role (worker process): preload starts, load errors, worker metadata
         self._work: WorkerSide | None = None
+        #: ``gpu_kv_layout``: whether vLLM should give this connector the cross-layer KV
+        #: tensor (read by vLLM's model runner when it allocates the KV cache)
+        self._cross_layer = opts.gpu_kv_layout == GPU_KV_LAYOUTS[0]
         super().__init__(vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             assert self.connector_scheduler is not None
@@ -169,6 +177,26 @@ class OffloadingConnector(_VllmOffloadingConnector):
 
             assert self.connector_worker is not None
             self._work = WorkerSide(self.connector_worker)
+
+    # ------------------------------------------------------------------ KV cache layout
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """vLLM's model runner (worker process, once, when it allocates the KV cache):
+        one cross-layer KV tensor (vLLM's choice for an offloading connector, the
+        default) unless ``gpu_kv_layout`` is 'per_layer'."""
+        return self._cross_layer and bool(super().prefer_cross_layer_blocks)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """vLLM (any process, before the attention backends are built): the KV layout
+        this connector needs: vLLM's ('HND') by default, the attention backend's own
+        (None) with ``gpu_kv_layout`` 'per_layer'. Reads the raw extra config (it may run
+        before the connector validates it; a wrong value is refused there)."""
+        kvt = vllm_config.kv_transfer_config
+        extra = (kvt.kv_connector_extra_config or {}) if kvt is not None else {}
+        if extra.get("gpu_kv_layout", GPU_KV_LAYOUTS[0]) == "per_layer" and not compat.IS_0_32:
+            return None
+        return super().get_required_kvcache_layout(vllm_config)
 
     # ------------------------------------------------------------------ scheduler role
     # vLLM calls these from the scheduler thread of the engine-core process.

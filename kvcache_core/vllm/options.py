@@ -54,7 +54,7 @@ VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk
 GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookahead",
                                "preload_max_blocks", "breakeven_table", "queue_aware_preload",
                                "disk_min_prefix_tokens", "min_store_prefix_tokens",
-                               "disk_lookup_cache_s", "dram_load_sync")
+                               "disk_lookup_cache_s", "dram_load_sync", "gpu_kv_layout")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY, MODEL_IDENTITY_KEY)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
@@ -115,6 +115,15 @@ GLUE_KEY_HELP: dict[str, str] = {
     "without them refuses an explicit true; the default then falls back to asynchronous loads "
     "with a warning). Default true: on the H200 it lowered DRAM-hit TTFT at 4k-16k "
     "(0.68-0.77x) and, in one Bailian-coder replay, mean TTFT under a queue (0.20x).",
+    "gpu_kv_layout": "How vLLM lays out the GPU KV cache for this connector: "
+    "'cross_layer' (default: what vLLM 0.26 gives any OffloadingConnector, its native CPU "
+    "offload included: one tensor in which every layer of a block is contiguous, heads "
+    "before tokens (HND)) or 'per_layer' (one tensor per layer in the attention backend's "
+    "own order, as vLLM lays it out without a connector). For the H200 A/B of what a short "
+    "request pays for the connector alone (docs/results/h200/README.md, twenty-third "
+    "session); the block bytes differ, so the two use separate cache namespaces. "
+    "'per_layer' copies each block in one piece per layer (more copy descriptors). vLLM "
+    "0.26 only.",
     "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
     "that is too short (or on a disk too slow) to win when read on demand, if its expected "
     "queueing time (the table's recompute times of the requests ahead) covers the read "
@@ -133,10 +142,12 @@ GLUE_DEFAULTS: dict[str, str] = {
     "preload_max_blocks": "64", "breakeven_table": "-", "disk_min_prefix_tokens": "`auto`",
     "min_store_prefix_tokens": "`auto`",
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
-    "dram_load_sync": "true",
+    "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
+#: values of ``gpu_kv_layout`` (the first is the default)
+GPU_KV_LAYOUTS: tuple[str, ...] = ("cross_layer", "per_layer")
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,8 @@ class VllmOptions:
     #: whether the config set ``dram_load_sync`` (an explicit true is refused by a vLLM
     #: without the scheduler internals; the default falls back to asynchronous loads)
     dram_load_sync_set: bool = False
+    #: "cross_layer" (vLLM's layout for an offloading connector) or "per_layer"
+    gpu_kv_layout: str = "cross_layer"
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -244,6 +257,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
           "disk_lookup_cache_s", "must be a number of seconds in 0..3600 or 'auto'", lc)
     dls = ex.get("dram_load_sync", True)
     _need(isinstance(dls, bool), "dram_load_sync", "must be true or false", dls)
+    gkl = ex.get("gpu_kv_layout", "cross_layer")
+    _need(gkl in GPU_KV_LAYOUTS, "gpu_kv_layout",
+          "must be " + " or ".join(repr(x) for x in GPU_KV_LAYOUTS), gkl)
     return VllmOptions(storage=storage, explicit_block_size="block_size" in d,
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
                        load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
@@ -252,7 +268,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
                        min_store_prefix_tokens=ms,
                        disk_lookup_cache_s=lc,
                        model_identity=ex.get(MODEL_IDENTITY_KEY), dram_load_sync=dls,
-                       dram_load_sync_set="dram_load_sync" in ex)
+                       dram_load_sync_set="dram_load_sync" in ex, gpu_kv_layout=gkl)
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:

@@ -37,6 +37,7 @@ from .manager import (
     PyKVCacheManager,
 )
 from .options import (
+    GPU_KV_LAYOUTS,
     check_block_size,
     ensure_hash_seed,
     kv_layout_string,
@@ -109,12 +110,16 @@ class PyKVCacheSpec(OffloadingSpec):
         dtype = namespace_dtype(self.options.model_dtype,
                                 compat.offload_cache_dtype(config, self.options.model_dtype))
         self.tokens_per_chunk = (tpb[0] if tpb else 1) * self.blocks_per_chunk
+        kvl = compat.kv_cache_layout(config)
+        if self.options.gpu_kv_layout != GPU_KV_LAYOUTS[0]:
+            # other block bytes (per-layer pages, the backend's own order): own namespace
+            kvl = f"{kvl}+{self.options.gpu_kv_layout}" if kvl else self.options.gpu_kv_layout
         layout = kv_layout_string(
             tokens_per_block=tpb, blocks_per_chunk=self.blocks_per_chunk,
             worker_kv_bytes_per_block=wkb, tokens_per_hash=self.tokens_per_hash,
             tp_size=par.tp_size, pp_size=par.pp_size, pcp_size=par.pcp_size,
             dcp_size=par.dcp_size, device=_device_type(),
-            kv_cache_layout=compat.kv_cache_layout(config))
+            kv_cache_layout=kvl)
         model = self.options.model_id or config.model.name
         if self.options.model_identity:  # revision, quantization, config, weights (issue 12)
             model = f"{model}@{self.options.model_identity}"

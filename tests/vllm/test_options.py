@@ -61,6 +61,15 @@ def test_parse_extra_config_errors_name_the_key():
     assert O.resolve_blocks_per_chunk(dflt, (128,), 1) == 2
 
 
+def test_gpu_kv_layout_option():
+    assert O.parse_extra_config({}).gpu_kv_layout == "cross_layer"
+    assert O.parse_extra_config({"gpu_kv_layout": "per_layer"}).gpu_kv_layout == "per_layer"
+    for bad in ("NHD", "", True, 1):
+        with pytest.raises(ConfigError, match="'gpu_kv_layout': must be 'cross_layer' or "
+                                              "'per_layer'"):
+            O.parse_extra_config({"gpu_kv_layout": bad})
+
+
 def test_hash_seed(monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     monkeypatch.setattr(O, "_seed_set_by_us", False)

@@ -58,3 +58,36 @@ def test_scheduler_and_worker_specs_agree(tmp_path, vllm_available):
 
     for h in ("store", "load_dram", "load_disk"):
         assert isinstance(defs[f"vllm:pykvcache_{h}_seconds"], OffloadingHistogramMetadata)
+
+
+def test_gpu_kv_layout_per_layer_has_its_own_namespace_and_layout(tmp_path, vllm_available):
+    """``gpu_kv_layout``: 'per_layer' asks vLLM for no cross-layer tensor and the attention
+    backend's own order, and its files (other block bytes) live in another namespace;
+    the default keeps vLLM's choice ('HND', cross-layer) and the namespace unchanged."""
+    from types import SimpleNamespace
+
+    from kvcache_core.vllm import PyKVCacheSpec
+    from kvcache_core.vllm.connector import OffloadingConnector
+
+    extra = {"spec_name": "PyKVCacheSpec", "spec_module_path": "kvcache_core.vllm",
+             "root_dir": str(tmp_path), "staging_bytes": 1 << 26, O.MODEL_DTYPE_KEY: "bfloat16"}
+    dflt = PyKVCacheSpec(_offloading_config(0, 1, extra)).namespaces[0]
+    same = PyKVCacheSpec(_offloading_config(0, 1, {**extra, "gpu_kv_layout": "cross_layer"}))
+    per = PyKVCacheSpec(_offloading_config(0, 1, {**extra, "gpu_kv_layout": "per_layer"}))
+    assert same.namespaces[0].dirname() == dflt.dirname()
+    assert per.namespaces[0].dirname() != dflt.dirname()
+    assert "per_layer" in per.namespaces[0].kv_layout and "per_layer" not in dflt.kv_layout
+
+    def cfg(**kw):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={**extra, **kw}))
+
+    assert OffloadingConnector.get_required_kvcache_layout(cfg()) == "HND"
+    assert OffloadingConnector.get_required_kvcache_layout(
+        cfg(gpu_kv_layout="cross_layer")) == "HND"
+    assert OffloadingConnector.get_required_kvcache_layout(
+        cfg(gpu_kv_layout="per_layer")) is None
+    for cross, want in ((True, True), (False, False)):
+        conn = object.__new__(OffloadingConnector)  # the property reads one attribute
+        conn._cross_layer = cross
+        assert conn.prefer_cross_layer_blocks is want
