@@ -634,6 +634,18 @@ def test_variant_env_keys_set_the_engine_process_environment():
             L._variant(bad)
 
 
+def test_noop_connector_config_names_the_do_nothing_connector():
+    """``noop_connector``: vLLM's connector machinery with a connector whose hooks do
+    nothing (what a 1k request pays for any connector, before py-kvcache's own work)."""
+    ns = SimpleNamespace(root="/r", docs=2, staging_bytes=1, io_depth=2,
+                         preload_lookahead=0, kv_extra=[], name="noop_connector")
+    tc = L.transfer_config("noop_connector", ns, 1000)
+    assert tc == {"kv_connector": "NoopConnector", "kv_connector_module_path":
+                  "noop_kv_connector", "kv_role": "kv_both"}
+    assert os.path.exists(os.path.join(L.REPO, "scripts", "noop_kv_connector.py"))
+    assert L._jobs(["noop_connector"], "longdoc") == [("noop_connector", "both")]
+
+
 def test_group_alive_ignores_zombies():
     """The driver starts the next engine once the previous one's process group is gone;
     a zombie (exited, not reaped: holds no memory) does not count as alive."""

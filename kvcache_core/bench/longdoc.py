@@ -102,7 +102,7 @@ from .common import read_stats_file, save_loglog
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL_CONFIGS = ["recompute", "native_cpu", "native_fs", "kvcache_disk", "kvcache_dram",
                "kvcache_disk_gate", "kvcache_dram_gate", "kvcache_preload", "kvcache_nopreload",
-               "recompute_cold", "kvcache_gate_queue"]
+               "recompute_cold", "kvcache_gate_queue", "noop_connector"]
 BASE_CONFIGS = ALL_CONFIGS[:5]
 COLD_PROCESS = {"native_fs", "kvcache_disk", "kvcache_disk_gate", "kvcache_preload",
                 "kvcache_nopreload", "recompute_cold", "kvcache_gate_queue"}
@@ -211,6 +211,9 @@ def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
     block = {"block_size": BLOCK_TOKENS}
     if cfg in ("recompute", "recompute_cold"):
         return None
+    if cfg == "noop_connector":  # vLLM's connector machinery alone (scripts/noop_kv_connector.py)
+        return {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_kv_connector",
+                "kv_role": "kv_both"}
     if cfg == "native_cpu":
         extra = {**block, "cpu_bytes_to_use": int(doc_bytes * args.docs * 1.3)}
     elif cfg == "native_fs":
@@ -458,6 +461,8 @@ class _Child:
         if args.trace:
             env["KVCACHE_TRACE"] = os.path.join(args.trace, f"{config}-{phase}")
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        if base == "noop_connector":  # its connector module lives in scripts/
+            env["PYTHONPATH"] = os.path.join(REPO, "scripts") + os.pathsep + env["PYTHONPATH"]
         self.p = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.spawned = time.monotonic()
         self.sampler: Any = None
