@@ -1158,8 +1158,8 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
             keys = list(args.kv_extra) + variant_keys(args, cfg)
             if keys and base.startswith("kvcache"):
                 row["kv_extra"] = dict(keys)
-            if variant_env(args, cfg):
-                row["env"] = variant_env(args, cfg)
+            if venv := variant_env(args, cfg):
+                row["env"] = venv
             if base != cfg:
                 row["base"] = base
             if args.rounds > 1:

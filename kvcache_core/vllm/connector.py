@@ -53,9 +53,10 @@ from ..config import ConfigError
 from . import compat
 from .connector_scheduler import SchedulerSide
 from .options import (
-    GPU_KV_LAYOUTS,
+    CROSS_LAYER,
     MODEL_DTYPE_KEY,
     MODEL_IDENTITY_KEY,
+    PER_LAYER,
     VllmOptions,
     check_block_size,
     model_identity,
@@ -114,7 +115,7 @@ def prepare_vllm_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
             f"\"spec_module_path\": \"{SPEC_MODULE}\" (got {extra.get('spec_name')!r}, "
             f"{extra.get('spec_module_path')!r})")
     opts = parse_extra_config(extra)
-    if opts.gpu_kv_layout != GPU_KV_LAYOUTS[0] and compat.IS_0_32:
+    if opts.gpu_kv_layout != CROSS_LAYER and compat.IS_0_32:
         raise ConfigError(f"py-kvcache config key 'gpu_kv_layout': "
                           f"'{opts.gpu_kv_layout}' is for vLLM 0.26 only (this is "
                           f"vLLM {compat.VLLM_VERSION}); leave it unset")
@@ -167,7 +168,7 @@ class OffloadingConnector(_VllmOffloadingConnector):
         self._work: WorkerSide | None = None
         #: ``gpu_kv_layout``: whether vLLM should give this connector the cross-layer KV
         #: tensor (read by vLLM's model runner when it allocates the KV cache)
-        self._cross_layer = opts.gpu_kv_layout == GPU_KV_LAYOUTS[0]
+        self._cross_layer = opts.gpu_kv_layout == CROSS_LAYER
         super().__init__(vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             assert self.connector_scheduler is not None
@@ -194,7 +195,7 @@ class OffloadingConnector(_VllmOffloadingConnector):
         before the connector validates it; a wrong value is refused there)."""
         kvt = vllm_config.kv_transfer_config
         extra = (kvt.kv_connector_extra_config or {}) if kvt is not None else {}
-        if extra.get("gpu_kv_layout", GPU_KV_LAYOUTS[0]) == "per_layer" and not compat.IS_0_32:
+        if extra.get("gpu_kv_layout") == PER_LAYER and not compat.IS_0_32:
             return None
         return super().get_required_kvcache_layout(vllm_config)
 

@@ -146,8 +146,9 @@ GLUE_DEFAULTS: dict[str, str] = {
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
-#: values of ``gpu_kv_layout`` (the first is the default)
-GPU_KV_LAYOUTS: tuple[str, ...] = ("cross_layer", "per_layer")
+#: values of ``gpu_kv_layout``: vLLM's cross-layer tensor (the default) or one per layer
+CROSS_LAYER, PER_LAYER = "cross_layer", "per_layer"
+GPU_KV_LAYOUTS: tuple[str, ...] = (CROSS_LAYER, PER_LAYER)
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ class VllmOptions:
     #: without the scheduler internals; the default falls back to asynchronous loads)
     dram_load_sync_set: bool = False
     #: "cross_layer" (vLLM's layout for an offloading connector) or "per_layer"
-    gpu_kv_layout: str = "cross_layer"
+    gpu_kv_layout: str = CROSS_LAYER
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -257,7 +258,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
           "disk_lookup_cache_s", "must be a number of seconds in 0..3600 or 'auto'", lc)
     dls = ex.get("dram_load_sync", True)
     _need(isinstance(dls, bool), "dram_load_sync", "must be true or false", dls)
-    gkl = ex.get("gpu_kv_layout", "cross_layer")
+    gkl = ex.get("gpu_kv_layout", CROSS_LAYER)
     _need(gkl in GPU_KV_LAYOUTS, "gpu_kv_layout",
           "must be " + " or ".join(repr(x) for x in GPU_KV_LAYOUTS), gkl)
     return VllmOptions(storage=storage, explicit_block_size="block_size" in d,

@@ -37,7 +37,7 @@ from .manager import (
     PyKVCacheManager,
 )
 from .options import (
-    GPU_KV_LAYOUTS,
+    CROSS_LAYER,
     check_block_size,
     ensure_hash_seed,
     kv_layout_string,
@@ -111,7 +111,7 @@ class PyKVCacheSpec(OffloadingSpec):
                                 compat.offload_cache_dtype(config, self.options.model_dtype))
         self.tokens_per_chunk = (tpb[0] if tpb else 1) * self.blocks_per_chunk
         kvl = compat.kv_cache_layout(config)
-        if self.options.gpu_kv_layout != GPU_KV_LAYOUTS[0]:
+        if self.options.gpu_kv_layout != CROSS_LAYER:
             # other block bytes (per-layer pages, the backend's own order): own namespace
             kvl = f"{kvl}+{self.options.gpu_kv_layout}" if kvl else self.options.gpu_kv_layout
         layout = kv_layout_string(
