@@ -11,6 +11,7 @@
 #   bash scripts/h200_runs.sh preload50 llama-3.2-3b # issue 4 as written: 50 clients (TOKENS=)
 #   bash scripts/h200_runs.sh mixed   llama-3.2-3b   # issue 4: 50 x 64k, 50% reuse, conc 8
 #   bash scripts/h200_runs.sh queue   llama-3.2-3b   # issue 5 item 4: queue-aware preload
+#   bash scripts/h200_runs.sh tokcheck llama-3.2-3b  # CUDA token check, both KV layouts
 #   bash scripts/h200_runs.sh trace   llama-3.2-3b   # what the reactor and engine did per TTFT
 #   bash scripts/h200_runs.sh wbab    llama-3.2-3b   # issue 9: write-back deferred vs not (A/B)
 #   bash scripts/h200_runs.sh dcab    llama-3.2-3b   # issue 9: DRAM-hit copy dma vs kernel (A/B)
@@ -22,7 +23,7 @@
 #   WORKLOAD=.gpu/wl-longbench-docs.jsonl.gz bash scripts/h200_runs.sh replay llama-3.2-3b
 #                                                    # issue 11: one workload, all configs
 set -euo pipefail
-STEP=${1:?step: longdoc|gate|preload|preload50|mixed|queue|trace|sharegpt|replay|scbench|wbab|dcab|scab|vab}
+STEP=${1:?step: longdoc|tokcheck|gate|preload|preload50|mixed|queue|trace|sharegpt|replay|scbench|wbab|dcab|scab|vab}
 M=${2:?model: llama-3.2-3b|llama-3.1-8b}
 RES=${RES:-/tmp/res}
 ROOT=${ROOT:-/tmp/ldroot}
@@ -165,6 +166,12 @@ case "$STEP" in
     # shellcheck disable=SC2086  # one variant per word
     variants_run "${TOKENS:?TOKENS=sizes}" "${ROUNDS:-3}" "${CONFIGS:?CONFIGS=list}" \
       "$RES/vab-${NAME:-ab}-$M.json" ${VARIANTS:-} ;;
+  tokcheck)
+    # identical tokens on CUDA: py-kvcache DRAM and disk hits of both gpu_kv_layout values
+    # against recompute, the e2e tests' tiny Llama with real random weights
+    # (scripts/gpu_token_check.py; the model argument is not used)
+    python3 scripts/gpu_token_check.py --json "$RES/tokcheck.json" > "$RES/tokcheck.txt" 2>&1
+    tail -3 "$RES/tokcheck.txt" ;;
   trace)
     # diagnostics: per request, the reactor's events and the engine's steps (host time
     # launching each forward) inside its TTFT window; TOKENS and CONFIGS narrow a call.
