@@ -568,16 +568,24 @@ def _cmd_has(pid: int, *parts: str) -> bool:
     return all(x in cmd for x in parts)
 
 
-def test_small_sizes_take_more_documents_within_the_tier_budget():
+def test_small_sizes_take_more_documents_and_the_tiers_hold_them():
+    kvb = 1000
     a = SimpleNamespace(workload="longdoc", docs=2, small_docs=8,
                         tokens="1024,4096,16384,65536")
     assert [L.n_docs(a, d) for d in (1024, 4096, 16384, 65536)] == [8, 8, 2, 2]
-    a.tokens = "1024,4096"  # 2 x 4096 tokens is the tiers' size: 8 x 1024 fit, 4096 not
-    assert [L.n_docs(a, d) for d in (1024, 4096)] == [8, 2]
-    a.tokens = "2048,4096"
-    assert L.n_docs(a, 2048) == 4
+    assert L.tier_doc_bytes(a, kvb) == 65536 * kvb  # 2 x 64k holds 8 x 4k: as before
+    # a run of small sizes only (the twenty-fourth session's TOKENS=1024 run got 2
+    # documents, where the tiers capped the count): --small-docs of them, and tiers
+    # sized to hold all of one size
+    a.tokens, a.small_docs = "1024", 32
+    assert L.n_docs(a, 1024) == 32
+    assert L.tier_doc_bytes(a, kvb) == 16 * 1024 * kvb  # docs (2) x this = 32 x 1024
+    a.tokens, a.small_docs = "1024,4096", 8
+    assert [L.n_docs(a, d) for d in (1024, 4096)] == [8, 8]
+    assert L.tier_doc_bytes(a, kvb) * a.docs == 8 * 4096 * kvb
     a.small_docs = 0
     assert L.n_docs(a, 1024) == 2
+    assert L.tier_doc_bytes(a, kvb) == 4096 * kvb
     a.small_docs, a.workload = 8, "mixed"
     assert L.n_docs(a, 1024) == 2
     rows = [{"tokens": 1024, "docs": 8}, {"tokens": 4096, "docs": 8},

@@ -63,7 +63,7 @@ Rounds and variants (``--workload longdoc``): ``--rounds N`` runs the configurat
 times, the order reversed every other round; each row then holds the medians over the
 rounds and ``round_results`` every round's rows. ``--variant NAME=BASE:KEY=JSON`` adds a
 py-kvcache configuration with extra config keys under its own name (an A/B of one key in
-one run). Sizes below 16k tokens take up to ``--small-docs`` documents (default 8).
+one run). Sizes below 16k tokens take ``--small-docs`` documents (default 8).
 
 Engine processes: the driver spawns the next one while the current one runs, so its
 vLLM import overlaps; it creates its engine only once the previous one is gone, and the
@@ -311,7 +311,7 @@ async def _worker(args) -> dict:
 
     tokens = [int(t) for t in args.tokens.split(",")]
     kvb = kv_bytes_per_token(args.model)
-    tc = transfer_config(args.config, args, max(tokens) * kvb)
+    tc = transfer_config(args.config, args, tier_doc_bytes(args, kvb))
     extra_len = args.question_tokens if args.workload == "scbench" else args.hit_suffix_tokens
     ea = AsyncEngineArgs(model=args.model, load_format="dummy", enforce_eager=True,
                          enable_prefix_caching=False,
@@ -742,8 +742,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="documents per size (default 2; scbench: 4 shared contexts)")
     ap.add_argument("--small-docs", type=int, default=8,
                     help=f"documents per size below {SMALL_TOKENS} tokens (--workload "
-                         "longdoc; default 8; at most --docs documents' worth of the largest "
-                         "size's tokens; 0: --docs for every size)")
+                         "longdoc; default 8; the DRAM / CPU tiers grow to hold all of one "
+                         "size; 0: --docs for every size)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="hits per document (default 2); scbench: rounds of turns, the "
                     "first one cold (default 6)")
@@ -886,15 +886,24 @@ SMALL_TOKENS = 16384
 
 def n_docs(args, d: int) -> int:
     """Documents of ``d`` tokens in a run: ``--docs``; in the longdoc workload, sizes below
-    :data:`SMALL_TOKENS` take up to ``--small-docs`` (a 1k request's TTFT is 15-30 ms and
+    :data:`SMALL_TOKENS` take ``--small-docs`` (a 1k request's TTFT is 15-30 ms and
     varies by several ms from request to request, so two documents cannot show a 5 %
-    difference), but never more tokens than ``--docs`` documents of the largest size, so
-    the DRAM / CPU tiers (sized for those) still hold every document of the size."""
+    difference). The DRAM / CPU tiers are sized by :func:`tier_doc_bytes` so that they
+    still hold every document of any one size."""
     small = getattr(args, "small_docs", 0) or 0
     if args.workload != "longdoc" or d >= SMALL_TOKENS or small <= args.docs:
         return args.docs
-    biggest = max(int(t) for t in str(args.tokens).split(","))
-    return max(args.docs, min(small, args.docs * biggest // d))
+    return small
+
+
+def tier_doc_bytes(args, kvb: int) -> int:
+    """The "document" bytes that :func:`transfer_config` sizes the tiers by (a DRAM / CPU
+    tier of ``--docs`` x 1.3 such documents): the largest document, or more where the
+    documents of a smaller size (``--small-docs`` of them) hold more tokens in all than
+    ``--docs`` of the largest (e.g. ``--tokens 1024`` alone)."""
+    sizes = [int(t) for t in str(args.tokens).split(",")]
+    most = max(n_docs(args, d) * d for d in sizes)
+    return max(max(sizes), -(-most // args.docs)) * kvb
 
 
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -923,7 +932,7 @@ def dram_budget(cfg: str, args, doc_bytes: int) -> int | None:
 
 
 def _scbench_results(args, cfg: str, res: dict, kvb: int) -> list[dict]:
-    doc_bytes = max(int(t) for t in args.tokens.split(",")) * kvb
+    doc_bytes = tier_doc_bytes(args, kvb)
     out = []
     for wrow in res["rows"]:
         row = SC.scbench_row(cfg, wrow, res.get("samples"), kvb,
