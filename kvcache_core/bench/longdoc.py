@@ -1015,6 +1015,9 @@ def _drive(args) -> int:
     args._disk, args._pcie = disk, pcie
     log(f"disk_read_gbps={disk:.2f} pcie_h2d_gbps={pcie:.1f}")
     kvb = kv_bytes_per_token(args.model)
+    sizes = [int(t) for t in str(args.tokens).split(",")]
+    log("documents per size: " + ", ".join(f"{d}: {n_docs(args, d)}" for d in sizes)
+        + f"; tiers sized for {args.docs} x {tier_doc_bytes(args, kvb) // kvb} tokens")
     results: list[dict] = []
     out = save(args, results, disk, pcie, kvb, model_name)
     done_pairs = {(r["config"], r["round"]) for r in prior}
