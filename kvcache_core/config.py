@@ -79,6 +79,14 @@ KEY_HELP: dict[str, str] = {
     "io_depth": "Disk reads/writes in flight at once (io_uring queue depth). Also the number "
     "of slots reserved for foreground (on-demand) work.",
     "lookahead": "Asynchronous file opens allowed ahead of reads.",
+    "preload_depth": "Speculative (preload) disk reads open or in flight at once, each "
+    "into a staging slot above the io_depth foreground reservation and only while no "
+    "on-demand load waits for a disk unit; a preload whose file is open but not yet read "
+    "is put back when an on-demand load arrives. 1 (default) is the seed paper's policy "
+    "(one speculative read, yield to demand); more keeps a fast disk busier while "
+    "requests queue (issue 10's A/B: scripts/h200_runs.sh preload with KVEXTRA). Capped "
+    "at io_depth - 1, so that speculative reads stuck on a slow disk always leave "
+    "on-demand loads a unit. 1..64.",
     "copy_headroom": "Extra slots beyond io_depth that keep the disk busy while device "
     "copies hold slots. staging_bytes must cover io_depth + copy_headroom slots.",
     "dram_cache_bytes": "Bytes of additional slots that retain finished blocks as a DRAM "
@@ -203,6 +211,7 @@ class StorageConfig:
     staging_bytes: int = 512 * MiB
     io_depth: int = 8
     lookahead: int = 8
+    preload_depth: int = 1
     copy_headroom: int = 4
     dram_cache_bytes: int = 0
     eviction_policy: str = "lru-admit"
@@ -239,7 +248,7 @@ class StorageConfig:
                                   f"(got {getattr(self, key)!r})")
 
         for key in ("staging_bytes", "io_depth", "lookahead", "copy_headroom",
-                    "dram_cache_bytes", "block_size", "max_disk_bytes"):
+                    "dram_cache_bytes", "block_size", "max_disk_bytes", "preload_depth"):
             v = getattr(self, key)
             need(isinstance(v, int) and not isinstance(v, bool), key, "must be an integer")
         need(isinstance(self.root_dir, str) and self.root_dir != "", "root_dir",
@@ -263,6 +272,7 @@ class StorageConfig:
         need(self.io_depth >= 1, "io_depth", "must be >= 1")
         need(self.io_depth <= 256, "io_depth", "must be <= 256")
         need(self.lookahead >= 0, "lookahead", "must be >= 0")
+        need(1 <= self.preload_depth <= 64, "preload_depth", "must be in 1..64")
         need(self.copy_headroom >= 0, "copy_headroom", "must be >= 0")
         need(self.staging_bytes > 0, "staging_bytes", "must be > 0")
         need(self.dram_cache_bytes >= 0, "dram_cache_bytes", "must be >= 0")

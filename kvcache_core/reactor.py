@@ -30,9 +30,11 @@ Store: slot (a caller-owned DRAM-tier slot, or a staging slot taken at once) -> 
 Priorities (R8, docs/requirements.md): ready foreground reads > new foreground loads,
 store copies and
 write-back > speculative loads (a freed ``io_depth`` unit goes to a ready read first). At
-most ONE speculative load is open or reading at a time; it may only take a slot above the
-``io_depth`` foreground reservation; a foreground load arriving while the speculative
-file is open but not yet reading closes that fd and re-queues the preload.
+most ``spec_depth`` speculative loads (default ONE, the seed paper's policy; never more
+than ``io_depth - 1``) are open or reading at a time, and only while no foreground file
+waits for a unit; each may only take
+a slot above the ``io_depth`` foreground reservation; a foreground load arriving while a
+speculative file is open but not yet reading closes that fd and re-queues the preload.
 
 Errors never escape the reactor: a missing file is a miss, a short/corrupt/mismatched
 file is a counted miss (the file is removed), ENOSPC or any write error drops the store
@@ -294,7 +296,9 @@ class Reactor(LoadRouting):
                  trace: bool = False, early_store_ack: bool = False,
                  store_policy: str = "wait", write_depth: int | None = None,
                  io_timeout_s: float = 0.0, store_copy_wait: str = "poll",
-                 writeback_defer_s: float = 0.0) -> None:
+                 writeback_defer_s: float = 0.0, spec_depth: int = 1) -> None:
+        if not 1 <= spec_depth <= 64:
+            raise ValueError(f"spec_depth must be in 1..64, got {spec_depth!r}")
         if not 0 <= writeback_defer_s <= 10:
             raise ValueError(f"writeback_defer_s must be in 0..10, got {writeback_defer_s!r}")
         if store_copy_wait not in STORE_COPY_WAITS:
@@ -326,6 +330,9 @@ class Reactor(LoadRouting):
                      sys.getswitchinterval(), switch_interval)
             sys.setswitchinterval(switch_interval)
         self.io_depth = io_depth
+        #: speculative loads open or reading at once (see the module doc): never more than
+        #: io_depth - 1, so that stuck speculative reads leave on-demand loads a unit
+        self.spec_depth = min(int(spec_depth), max(1, io_depth - 1))
         #: most file writes in flight at once. Serving (``store_policy="drop"``): half the
         #: io_depth, so an on-demand read can always start (writes reach most of a disk's
         #: write bandwidth at half the depth: DESIGN.md section 4, 3.5 GB/s at 4 vs 3.6
@@ -431,7 +438,8 @@ class Reactor(LoadRouting):
         self._opening = 0
         self._io_inflight = 0
         self._writes_inflight = 0  # file writes holding an io_depth unit (<= write_depth)
-        self._spec_active: Task | None = None
+        # speculative loads opening, open or reading (at most ``spec_depth``)
+        self._spec_live: set[Task] = set()
         self._spec_by_key: dict[bytes, Task] = {}  # preloads not yet staged
         self._joiners: dict[bytes, list[Task]] = {}  # loads waiting on a preload's read
         # on-demand loads reading a block into a staging slot (the first of their key),
@@ -763,8 +771,7 @@ class Reactor(LoadRouting):
                 if t.fd >= 0:
                     self.engine.close(t.tag | OP_CLOSE, t.fd)
                     t.fd = -1
-                if t is self._spec_active:
-                    self._spec_active = None
+                self._spec_live.discard(t)
                 self._finish(t, False)
 
     # ---------------------------------------------------------------- scheduling
@@ -804,22 +811,24 @@ class Reactor(LoadRouting):
                    and self._writes_inflight < self.write_depth):
                 self._start_write(self._wq.popleft())
                 worked = True
-        # 5. speculative: one at a time, above the foreground reservation
-        if self._spec_active is None and self._new_spec and not self._opened_fg:
+        # 5. speculative: up to spec_depth at a time, above the foreground reservation
+        while (len(self._spec_live) < self.spec_depth and self._new_spec
+               and not self._opened_fg):
             t = self._new_spec.popleft()
-            self._spec_active = t
+            self._spec_live.add(t)
             t.state = OPENING
             t.t_op = time.monotonic()
             self._opening += 1
             eng.open(t.tag | OP_OPEN, self.layout.path_for(t.key), self._rflags)
             worked = True
-        if self._opened_spec and not self._opened_fg and self._io_inflight < self.io_depth:
+        while self._opened_spec and not self._opened_fg and self._io_inflight < self.io_depth:
             t = self._opened_spec[0]
             slot = t.slot if t.ext else self._acquire(t.tid, Priority.SPECULATIVE)
-            if slot >= 0:
-                self._opened_spec.popleft()
-                self._start_read(t, slot)
-                worked = True
+            if slot < 0:
+                break
+            self._opened_spec.popleft()
+            self._start_read(t, slot)
+            worked = True
         return worked
 
     def note_foreground(self) -> None:
@@ -990,14 +999,12 @@ class Reactor(LoadRouting):
             else:
                 self._count_error("open", res)
                 self.stats.loads_error += 1
-            if t is self._spec_active:
-                self._spec_active = None
+            self._spec_live.discard(t)
             self._finish(t, False)
             return
         if t.flags & (SUPERSEDED | PREEMPTED):
             self.engine.close(t.tag | OP_CLOSE, res)
-            if t is self._spec_active:
-                self._spec_active = None
+            self._spec_live.discard(t)
             if t.flags & SUPERSEDED:
                 self._finish(t, True)
             else:
@@ -1015,8 +1022,7 @@ class Reactor(LoadRouting):
         self._io_inflight -= 1
         self.engine.close(t.tag | OP_CLOSE, t.fd)
         t.fd = -1
-        if t is self._spec_active:
-            self._spec_active = None
+        self._spec_live.discard(t)
         if res < 0:
             if res == -_errno.ESTALE:  # evicted by another client of a network filesystem
                 self.stats.loads_miss += 1
@@ -1310,8 +1316,7 @@ class Reactor(LoadRouting):
         was the last. The task itself is not freed (see :meth:`_free`)."""
         if t.kind == STORE:
             self._source_done(t, finishing=True)
-        if t is self._spec_active:
-            self._spec_active = None
+        self._spec_live.discard(t)
         if t.prio == Priority.SPECULATIVE and self._spec_by_key.get(t.key) is t:
             del self._spec_by_key[t.key]
             if not ok:  # the shared read failed: so do the loads that joined it

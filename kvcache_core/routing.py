@@ -33,7 +33,7 @@ class LoadRouting:
     payload length, key of an unclaimed preload), ``_spec_by_key`` / ``_joiners``
     (preloads by key, loads joined to them), ``_fg_by_key`` / ``_fg_joiners`` (on-demand
     reads by key, loads joined to them), the queues ``_new_spec``, ``_opened_spec``,
-    ``_new_fg``, ``_ready``, ``_spec_active`` (the one speculative read) and
+    ``_new_fg``, ``_ready``, ``_spec_live`` (speculative loads opening, open or reading) and
     ``_finish``."""
 
     def _route_load(self, t: Task) -> None:
@@ -113,20 +113,24 @@ class LoadRouting:
             del self._spec_by_key[sp.key]
 
     def _preempt_spec(self) -> None:
-        """A foreground load arrived: stop the speculative file that is open (or being
-        opened), not reading: close its fd and re-queue the preload."""
-        t = self._spec_active
-        if t is not None and t.state == OPENING:
-            t.flags |= PREEMPTED  # closed and re-queued when the open completes
+        """A foreground load arrived: stop every speculative file that is open (or being
+        opened), not reading: close its fd and re-queue the preload (in its order)."""
+        if not self._spec_live:
             return
-        if t is not None and t.state == OPENED:
-            self._opened_spec.remove(t)
-            self.engine.close(t.tag | OP_CLOSE, t.fd)
-            t.fd = -1
-            t.state = Q
-            self._spec_active = None
+        requeue = []
+        for t in list(self._spec_live):
+            if t.state == OPENING:
+                t.flags |= PREEMPTED  # closed and re-queued when the open completes
+            elif t.state == OPENED:
+                self._opened_spec.remove(t)
+                self.engine.close(t.tag | OP_CLOSE, t.fd)
+                t.fd = -1
+                t.state = Q
+                self._spec_live.discard(t)
+                requeue.append(t)
+                self.stats.spec_requeued += 1
+        for t in sorted(requeue, key=lambda x: x.tid, reverse=True):
             self._new_spec.appendleft(t)
-            self.stats.spec_requeued += 1
 
     def _stage(self, t: Task) -> None:
         """A preload's read finished: keep the slot (reclaimable by foreground work) and

@@ -66,6 +66,10 @@ def test_config_unknown_key_is_named():
     ("writeback_defer_s", 11),
     ("writeback_defer_s", "0.05"),
     ("writeback_defer_s", False),
+    ("preload_depth", 0),
+    ("preload_depth", 65),
+    ("preload_depth", "2"),
+    ("preload_depth", True),
 ])
 def test_config_bad_value_names_the_key(key, value):
     assert_config_error_names_key(key, value)

@@ -3,6 +3,7 @@ bounded staging. Real files, real io_uring / POSIX engines."""
 
 from __future__ import annotations
 
+import pytest
 from helpers.kvutil import BLOCK, close_reactor, payload
 
 from kvcache_core.copy import MemcpyCopier
@@ -134,25 +135,32 @@ def test_preload_of_a_missing_or_corrupt_file_is_a_quiet_miss(root, ns, engine):
         lay.close()
 
 
-def test_a_stuck_preload_never_delays_on_demand_loads_or_stores(root, ns):
-    """R8 with a throttled disk: the one speculative read is stuck (its completion is
-    withheld); on-demand loads of other blocks and a store still complete, in full,
-    while it is stuck; the preload completes once the disk moves."""
+@pytest.mark.parametrize("spec_depth", [1, 2, 4])
+def test_a_stuck_preload_never_delays_on_demand_loads_or_stores(root, ns, spec_depth):
+    """R8 with a throttled disk: the speculative reads are stuck (their completions are
+    withheld: one, or ``preload_depth`` of them); on-demand loads of other blocks and a
+    store still complete, in full, while they are stuck; the preloads complete once the
+    disk moves. io_depth 3: with 4 allowed, the cap (io_depth - 1) keeps a unit free."""
     import threading
 
     from helpers.kvutil import GatedReadEngine, sentinel_buf, wait_until
 
     lay = Layout(root, ns)
     keys = [f"ord-{i}".encode() for i in range(7)]
-    for k in keys:
+    spec = [f"spec-{i}".encode() for i in range(4)]
+    for k in keys + spec:
         assert lay.write_block(k, payload(k, BLOCK))
     gate = threading.Event()
-    eng = GatedReadEngine(2, gate, {lay.path_for(keys[0])[-16:]})
-    r = Reactor(lay, n_slots=6, io_depth=2, lookahead=2, engine=eng, copier=MemcpyCopier,
-                pin=False, early_store_ack=True, store_policy="drop")
+    eng = GatedReadEngine(3, gate, {lay.path_for(k)[-16:] for k in spec})
+    r = Reactor(lay, n_slots=8, io_depth=3, lookahead=2, engine=eng, copier=MemcpyCopier,
+                pin=False, early_store_ack=True, store_policy="drop", spec_depth=spec_depth)
+    stuck = min(spec_depth, 2)
     try:
-        r.load("spec", [(keys[0], None, 0)], Priority.SPECULATIVE)
-        assert wait_until(lambda: eng.held, 10)  # the speculative read is stuck
+        for i, k in enumerate(spec):
+            r.load(("spec", i), [(k, None, 0)], Priority.SPECULATIVE)
+        assert wait_until(lambda: len(eng.held) >= stuck, 10)  # the reads are stuck
+        threading.Event().wait(0.1)
+        assert len(eng.held) == stuck
         dests = [sentinel_buf(BLOCK) for _ in keys[1:]]
         r.load("fg", [(k, d, BLOCK) for k, d in zip(keys[1:], dests, strict=True)])
         s = b"ord-store"
@@ -166,14 +174,14 @@ def test_a_stuck_preload_never_delays_on_demand_loads_or_stores(root, ns):
 
         assert wait_until(done, 20), seen
         assert seen[("fg", "load")].ok == [True] * 6 and seen[("st", "store")].ok == [True]
-        assert ("spec", "load") not in seen and eng.held  # still stuck meanwhile
+        assert not any(rid[0] == "spec" for rid, _ in seen) and eng.held  # still stuck
         for k, d in zip(keys[1:], dests, strict=True):
             assert bytes(d) == payload(k, BLOCK)
         assert lay.read_block(s) == payload(s, BLOCK)
         gate.set()
         eng.wake()
         assert r.wait(10)
-        assert r.stats.preload_staged == 1
+        assert r.stats.preload_staged == len(spec)
     finally:
         gate.set()
         eng.wake()

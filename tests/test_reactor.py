@@ -437,6 +437,47 @@ def test_foreground_load_requeues_open_speculative_file(make_layout, make_reacto
     assert r.stats.loads_ok == 3
 
 
+def test_foreground_load_requeues_every_open_speculative_file(make_layout, make_reactor):
+    """With ``spec_depth=2`` two speculative files are open and refused a slot (only the
+    foreground reservation is free) when a foreground load arrives: both are closed and
+    re-queued, the foreground load is served first, and both preloads later complete
+    with the right bytes."""
+    lay = make_layout()
+    gate = threading.Event()
+    held = sentinel_buf(BLOCK)
+    col = Collector()
+    r = make_reactor(lay, n_slots=4, io_depth=3, on_complete=col, spec_depth=2,
+                     copier=gated_copier_factory(gate, {id(held)}))
+    a, b1, b2, c = b"held", b"spec-one", b"spec-two", b"foreground"
+    store_all(r, [a, b1, b2, c])
+    finish(r)
+    try:
+        r.load("held", [(a, held, BLOCK)])
+        assert wait_until(lambda: r.stats.copy_batches >= 1)
+        d1, d2, fg_d = sentinel_buf(BLOCK), sentinel_buf(BLOCK), sentinel_buf(BLOCK)
+        r.load("spec1", [(b1, d1, BLOCK)], Priority.SPECULATIVE)
+        r.load("spec2", [(b2, d2, BLOCK)], Priority.SPECULATIVE)
+        assert wait_until(lambda: len(r._opened_spec) == 2)  # both open, no slot
+        assert r.stats.spec_requeued == 0
+        r.load("fg", [(c, fg_d, BLOCK)])
+        assert wait_until(lambda: r.stats.spec_requeued >= 2)
+        assert "spec1" not in col.done and "spec2" not in col.done
+    finally:
+        gate.set()
+    done = finish(r)
+    assert all(done[k].ok == [True] for k in ("held", "spec1", "spec2", "fg"))
+    check_dests([a, b1, b2, c], [held, d1, d2, fg_d])
+    assert r.stats.spec_requeued == 2
+    assert r.stats.loads_ok == 4
+
+
+def test_spec_depth_is_validated_and_capped_below_io_depth(make_layout, make_reactor):
+    with pytest.raises(ValueError, match="spec_depth"):
+        make_reactor(make_layout(), spec_depth=0)
+    assert make_reactor(make_layout(), io_depth=4, spec_depth=8).spec_depth == 3
+    assert make_reactor(make_layout(), io_depth=1, spec_depth=2).spec_depth == 1
+
+
 def test_switch_interval_scope_busy_holds_it_only_while_requests_are_in_flight(
         make_layout, make_reactor):
     """``switch_interval_scope="busy"``: starting the reactor leaves the interpreter's
@@ -560,22 +601,25 @@ def _release_fifos(lay, keys) -> None:
 
 
 @pytest.mark.parametrize("engine", ["posix"])
-@pytest.mark.parametrize("prio", [Priority.SPECULATIVE, Priority.FOREGROUND])
-def test_at_most_one_speculative_open_at_a_time(make_layout, make_reactor, prio):
-    """R8: at most ONE speculative preload is open or reading. FIFOs keep the POSIX
-    engine's opens blocked, so the number of opens in flight is observable; foreground
-    loads (the control) open up to the lookahead in parallel."""
+@pytest.mark.parametrize("prio,depth", [(Priority.SPECULATIVE, 1), (Priority.SPECULATIVE, 2),
+                                        (Priority.FOREGROUND, 1)])
+def test_speculative_opens_at_a_time_are_bounded_by_spec_depth(make_layout, make_reactor,
+                                                               prio, depth):
+    """R8: at most ``spec_depth`` speculative preloads (default ONE) are open or reading.
+    FIFOs keep the POSIX engine's opens blocked, so the number of opens in flight is
+    observable; foreground loads (the control) open up to the lookahead in parallel."""
     if os.uname().machine != "x86_64":
         pytest.skip("syscall-number probe written for x86_64")
     lay = make_layout()
     col = Collector()
-    r = make_reactor(lay, n_slots=6, io_depth=4, lookahead=4, on_complete=col)
+    r = make_reactor(lay, n_slots=6, io_depth=4, lookahead=4, on_complete=col,
+                     spec_depth=depth)
     keys = _fifo_keys(lay, "fifo", 3)
     try:
         for i, k in enumerate(keys):
             r.load(i, [(k, sentinel_buf(BLOCK), BLOCK)], prio)
         assert wait_until(_thread_in_openat, 10)
-        expect = 1 if prio == Priority.SPECULATIVE else 3
+        expect = depth if prio == Priority.SPECULATIVE else 3
         assert wait_until(lambda: _threads_in_openat() >= expect, 2)
         threading.Event().wait(0.2)  # give a wrongly started second open time to show
         assert _threads_in_openat() == expect

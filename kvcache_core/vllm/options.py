@@ -76,7 +76,7 @@ GLUE_KEY_HELP: dict[str, str] = {
     "preloaded into staging while they queue; needs the patched vLLM (`kvcache patch-vllm`); "
     "0 disables (default 4).",
     "preload_max_blocks": "New blocks planned for preload per scheduler step (default 64); "
-    "the reactor still runs ONE speculative read at a time.",
+    "the reactor runs `preload_depth` speculative reads at a time (default one).",
     "breakeven_table": "Path of a break-even table (`kvcache calibrate`): a reusable prefix "
     "shorter than its source tier's threshold is recomputed instead of loaded; a table whose "
     "disk tier never wins also turns disk writes and preloads off (the DRAM tier still "

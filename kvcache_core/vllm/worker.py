@@ -128,7 +128,8 @@ class PyKVCacheWorker(OffloadingWorker):
                 switch_interval=storage.switch_interval_s or None,
                 switch_interval_scope=storage.switch_interval_scope,
                 store_copy_wait=storage.store_copy_wait,
-                writeback_defer_s=float(storage.writeback_defer_s))
+                writeback_defer_s=float(storage.writeback_defer_s),
+                spec_depth=storage.preload_depth)
         except BaseException:
             self.layout.close()
             raise

@@ -102,8 +102,13 @@ def _queued_rerun(model_dir, root, reference, **extra):
     return s, conn
 
 
-def test_preloaded_blocks_give_the_same_tokens_as_recompute(model_dir, workdir, reference):
-    s, _ = _queued_rerun(model_dir, os.path.join(workdir, "root_preload"), reference)
+@pytest.mark.parametrize("depth", [1, 3])
+def test_preloaded_blocks_give_the_same_tokens_as_recompute(model_dir, workdir, reference,
+                                                            depth):
+    """Queued requests whose blocks were preloaded, with one speculative read at a time
+    (the default) and with three (``preload_depth``; io_depth 4 in the tests' config)."""
+    s, _ = _queued_rerun(model_dir, os.path.join(workdir, f"root_preload_d{depth}"),
+                         reference, preload_depth=depth)
     assert s["preloads_planned"] > 0 and s["preloads_staged"] > 0, s
     assert s["preloads_claimed"] + s["preloads_joined"] > 0, s
     assert s["load_failures"] == 0 and s["chunks_loaded_disk"] == 9, s
