@@ -177,6 +177,8 @@ GIL_PROBE_S = 0.001
 GIL_LATE_S = 0.003
 #: Longest kernel wait while only store copies are in flight (see ``_run``).
 STORE_POLL_S = 0.001
+#: keys remembered for ``disk_reads_repeat`` (a set cleared when full: ~100 B a key)
+READ_KEYS_MAX = 1 << 16
 #: The same with ``store_copy_wait="block"``: a waiter thread wakes the reactor when a
 #: store copy is done, so this is only a safety net (a lost wake-up costs at most this).
 STORE_SAFETY_POLL_S = 0.05
@@ -228,6 +230,11 @@ class ReactorStats:
     loads_joined: int = 0
     preload_deduped: int = 0
     bytes_read: int = 0
+    #: successful disk reads of a block this reactor had already read from disk (issue 10:
+    #: "each block read from disk at most once while it is in use or in the DRAM tier";
+    #: counted over the last READ_KEYS_MAX distinct keys, ``read_key_epochs`` times reset)
+    disk_reads_repeat: int = 0
+    read_key_epochs: int = 0
     bytes_written: int = 0
     copy_batches: int = 0
     peak_busy_slots: int = 0
@@ -440,6 +447,7 @@ class Reactor(LoadRouting):
         self._writes_inflight = 0  # file writes holding an io_depth unit (<= write_depth)
         # speculative loads opening, open or reading (at most ``spec_depth``)
         self._spec_live: set[Task] = set()
+        self._read_keys: set[bytes] = set()  # disk_reads_repeat (reactor thread only)
         self._spec_by_key: dict[bytes, Task] = {}  # preloads not yet staged
         self._joiners: dict[bytes, list[Task]] = {}  # loads waiting on a preload's read
         # on-demand loads reading a block into a staging slot (the first of their key),
@@ -1143,6 +1151,14 @@ class Reactor(LoadRouting):
                 self._finish(t, False)
                 continue
             self.stats.bytes_read += res
+            rk = self._read_keys
+            if t.key in rk:
+                self.stats.disk_reads_repeat += 1
+            else:
+                if len(rk) >= READ_KEYS_MAX:
+                    rk.clear()
+                    self.stats.read_key_epochs += 1
+                rk.add(t.key)
             t.payload = n
             t.nbytes = min(t.nbytes, n) if t.nbytes else n
             if t.prio == Priority.SPECULATIVE and t.ref is None and not t.ext:

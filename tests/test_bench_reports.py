@@ -829,6 +829,13 @@ def test_mixed_preload_workload_counts_tree_reads_cpu(tmp_path):
     (row,) = json.load(open(pre))["results"]
     assert row["tree_read_bytes"] == r["tree_read_bytes"]
     assert "tree read (GB)" in open(pre[:-5] + ".md").read()
+    # reads of a block already read once in the load phase: counted by the workers
+    # (reads per key, issue 10), never more than the reads themselves
+    assert isinstance(r["disk_reads_repeat"], int) and r["disk_reads_repeat"] >= 0
+    block_payload = 256 * (r["kv_bytes"] // r["tokens"])  # one 256-token block file
+    assert r["disk_reads_repeat"] * block_payload <= r["disk_read_bytes"], r
+    assert row["disk_reads_repeat"] == r["disk_reads_repeat"]
+    assert "repeat reads" in open(pre[:-5] + ".md").read()
     assert r["kv_extra"] == {"eviction_policy": "arc", "writeback_max_fraction": 1.0}
     # the load phase's process was spawned while the store phase ran, and the store
     # phase measured only once that process had finished importing vLLM

@@ -294,6 +294,7 @@ def test_dram_tier_serves_second_load_without_disk(make_layout, make_reactor):
     check_dests(keys, d1)
     read_after_first = r.stats.bytes_read
     assert read_after_first == 4 * lay.ns.file_bytes and r.stats.loads_dram == 0
+    assert r.stats.disk_reads_repeat == 0
     d2 = [sentinel_buf(BLOCK) for _ in keys]
     r.load("second", [(k, d, BLOCK) for k, d in zip(keys, d2, strict=True)])
     assert finish(r)["second"].ok == [True] * 4
@@ -469,6 +470,28 @@ def test_foreground_load_requeues_every_open_speculative_file(make_layout, make_
     check_dests([a, b1, b2, c], [held, d1, d2, fg_d])
     assert r.stats.spec_requeued == 2
     assert r.stats.loads_ok == 4
+
+
+def test_repeat_disk_reads_of_a_block_are_counted(make_layout, make_reactor, monkeypatch):
+    """Without a DRAM tier the second load of a block reads its file again: counted in
+    ``disk_reads_repeat``; the set of keys is bounded (cleared when full, counted)."""
+    import kvcache_core.reactor as R
+
+    monkeypatch.setattr(R, "READ_KEYS_MAX", 3)
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=6, io_depth=2)
+    keys = keys_of("rep", 4)
+    for k in keys:
+        lay.write_block(k, payload(k, BLOCK))
+    r.load("a", [(k, sentinel_buf(BLOCK), BLOCK) for k in keys[:2]])
+    assert finish(r)["a"].ok == [True] * 2
+    assert r.stats.disk_reads_repeat == 0
+    r.load("b", [(k, sentinel_buf(BLOCK), BLOCK) for k in keys[:3]])
+    assert finish(r)["b"].ok == [True] * 3
+    assert r.stats.disk_reads_repeat == 2 and r.stats.read_key_epochs == 0
+    r.load("c", [(keys[3], sentinel_buf(BLOCK), BLOCK)])  # a 4th key: the set is reset
+    assert finish(r)["c"].ok == [True]
+    assert r.stats.read_key_epochs == 1 and r.stats.disk_reads_repeat == 2
 
 
 def test_spec_depth_is_validated_and_capped_below_io_depth(make_layout, make_reactor):

@@ -1202,6 +1202,9 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
                     key = ("cache_bytes_read" if args.workload == "scbench"
                            else "disk_read_bytes")
                     r[key] = sum(s.get("bytes_read", 0) for s in lstats)
+                    if args.workload != "scbench":  # blocks read from disk more than once
+                        r["disk_reads_repeat"] = sum(s.get("disk_reads_repeat", 0)
+                                                     for s in lstats)
                     r["worker_stats"] = diag
                     r["scheduler_stats"] = sched
                     if base in GATE_OF:
@@ -1265,7 +1268,7 @@ PRELOAD_CONFIGS = ("kvcache_preload", "kvcache_nopreload", "native_fs", "kvcache
 PRELOAD_KEYS = ("tokens", "concurrency", "mean_ttft_s", "median_ttft_s", "p90_ttft_s",
                 "mean_ttft_noreuse_s", "mean_ttft_reuse_s", "wall_s", "peak_staging_bytes",
                 "staging_budget_bytes", "disk_read_bytes", "n_requests", "n_noreuse",
-                "tree_read_bytes", "page_cache_growth_bytes")
+                "tree_read_bytes", "page_cache_growth_bytes", "disk_reads_repeat")
 
 
 def write_preload(run: dict, path: str, workload: str) -> dict:
@@ -1289,15 +1292,16 @@ def write_preload(run: dict, path: str, workload: str) -> dict:
              "shared contexts visited round-robin, all rounds in one process, reuse = later "
              "visits, no-reuse = first (storing) visits, disk read = the engine process "
              "tree's read_bytes (same DRAM/CPU budget of 1.3 contexts for every config). "
-             "longdoc / mixed: disk read = py-kvcache's own counter; tree read = the "
+             "longdoc / mixed: disk read = py-kvcache's own counter; repeat reads = its "
+             "reads of a block it had already read from disk in that process; tree read = the "
              "engine process tree's read_bytes in the load phase and page cache growth = "
              "how much the host's page cache grew meanwhile (every config alike: buffered "
              "reads keep what they read there, outside any tier's budget). "
              "Times in seconds.", "",
              "| workload | tokens | conc | config | mean TTFT | median | p90 | mean reuse | "
              "mean no-reuse | wall | peak staging / budget (MB) | disk read (GB) | "
-             "tree read (GB) | page cache growth (GB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "repeat reads | tree read (GB) | page cache growth (GB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f3(v):
         return "-" if v is None else f"{v:.3f}"
@@ -1310,11 +1314,12 @@ def write_preload(run: dict, path: str, workload: str) -> dict:
               else f"{r['tree_read_bytes'] / 1e9:.1f}")
         pc = ("-" if r.get("page_cache_growth_bytes") is None
               else f"{r['page_cache_growth_bytes'] / 1e9:.1f}")
+        rep = "-" if r.get("disk_reads_repeat") is None else str(r["disk_reads_repeat"])
         lines.append(f"| {r['workload']} | {r['tokens']} | {r['concurrency']} | {r['config']} "
                      f"| {f3(r['mean_ttft_s'])} | {f3(r['median_ttft_s'])} | "
                      f"{f3(r['p90_ttft_s'])} | {f3(r.get('mean_ttft_reuse_s'))} | "
                      f"{f3(r['mean_ttft_noreuse_s'])} | "
-                     f"{f3(r['wall_s'])} | {st} | {rd} | {tr} | {pc} |")
+                     f"{f3(r['wall_s'])} | {st} | {rd} | {rep} | {tr} | {pc} |")
     with open(os.path.splitext(path)[0] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:

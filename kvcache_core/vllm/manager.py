@@ -226,6 +226,9 @@ WORKER_COUNTERS: dict[str, str] = {
     "direct_verify_failed": "Worker (diagnostics, KVCACHE_VERIFY_DIRECT=1): spot-checked "
     "DRAM-hit copies whose device bytes differed from the DRAM tier.",
     "bytes_read": "Worker: bytes read from disk.",
+    "disk_reads_repeat": "Worker: disk reads of a block this worker had already read from "
+    "disk (evicted from the DRAM tier, or no DRAM tier, in between); concurrent loads of "
+    "one block share one read and do not count.",
     "bytes_written": "Worker: bytes written to disk.",
     "disk_evicted_files": "Worker: files evicted to honour max_disk_bytes.",
     "preloads_staged": "Worker: preloaded blocks read into staging ahead of their request.",

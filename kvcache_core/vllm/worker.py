@@ -494,6 +494,7 @@ class PyKVCacheWorker(OffloadingWorker):
                     ext_slot_waits=s.ext_slot_waits, ops_expired=s.ops_expired,
                     items_expired=s.items_expired, symlinks_skipped=ls.symlinks_skipped,
                     store_errors=s.stores_error, bytes_read=s.bytes_read,
+                    disk_reads_repeat=s.disk_reads_repeat,
                     bytes_written=s.bytes_written, disk_evicted_files=ls.evicted_files,
                     preloads_staged=s.preload_staged, preloads_claimed=s.preload_claimed,
                     preloads_joined=s.preload_joined, preloads_deduped=s.preload_deduped,
