@@ -32,9 +32,9 @@ store copies and
 write-back > speculative loads (a freed ``io_depth`` unit goes to a ready read first). At
 most ``spec_depth`` speculative loads (default ONE, the seed paper's policy; never more
 than ``io_depth - 1``) are open or reading at a time, and only while no foreground file
-waits for a unit; each may only take
-a slot above the ``io_depth`` foreground reservation; a foreground load arriving while a
-speculative file is open but not yet reading closes that fd and re-queues the preload.
+waits for a unit; each may only take a slot above the ``io_depth`` foreground
+reservation; a foreground load arriving while a speculative file is open but not yet
+reading closes that fd and re-queues the preload.
 
 Errors never escape the reactor: a missing file is a miss, a short/corrupt/mismatched
 file is a counted miss (the file is removed), ENOSPC or any write error drops the store
