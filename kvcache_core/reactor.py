@@ -289,6 +289,8 @@ class Reactor(LoadRouting):
     ``writeback_defer_s`` (config key of the same name, 0 = off): no new write-back file
     starts within that many seconds of the last load or store submission or
     :meth:`note_foreground`, unless the write-back queue is past its high-water mark.
+    ``spec_depth`` (config key ``preload_depth``): speculative loads open or reading at
+    once, 1..64, capped at ``io_depth - 1`` (see the module doc).
     """
 
     def __init__(self, layout: Layout, *, n_slots: int, external_slots: int = 0,
