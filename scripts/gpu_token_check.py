@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Token check of py-kvcache hits on a GPU machine (CUDA): the e2e tests' tiny Llama
 with real random weights (``tests/e2e/helpers.write_model``: output depends on the KV),
-greedy, 8 output tokens, logprobs; each engine in its own process.
+greedy, 8 output tokens, logprobs; each engine in its own process (``tests/e2e/engine_proc``).
 
 For each ``gpu_kv_layout`` (``cross_layer``, ``per_layer``):
 - ``dram``: one engine stores every prompt, then serves each again from its DRAM tier;
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -43,39 +42,25 @@ def prompts() -> dict[str, list[int]]:
     return {**H.PROMPTS, **EXTRA_PROMPTS}
 
 
-def child(plan: dict[str, Any]) -> dict[str, Any]:
-    """One engine: every prompt once (``passes`` times), drained in between."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def run_engine(model: str, extra: dict | None, passes: int, timeout: float
+               ) -> list[dict[str, dict]]:
+    """One engine in its own process (the e2e tests' ``engine_proc``): every prompt,
+    ``passes`` times, drained after each when there is a connector. Per pass: outputs
+    by prompt name."""
     from tests.e2e import helpers as H
 
-    extra = plan.get("extra")
-    llm = H.make_llm(plan["model"], extra, max_model_len=4096,
-                     gpu_memory_utilization=0.2)
-    out: dict[str, Any] = {"passes": []}
-    try:
-        for _ in range(plan.get("passes", 1)):
-            res = {}
-            for name, p in prompts().items():
-                res[name] = H.generate(llm, p)
-                if extra is not None:
-                    H.drain(llm)
-            out["passes"].append(res)
-    finally:
-        H.shutdown(llm)
-    return out
-
-
-def run_child(plan: dict[str, Any], timeout: float) -> dict[str, Any]:
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, __file__, "--child", json.dumps(plan), "--out", path],
-                       env=env, timeout=timeout, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"engine process failed (rc={r.returncode}):\n{r.stderr[-4000:]}")
-    with open(path) as f:
-        return json.load(f)
+    ps = prompts()
+    names = list(ps)
+    steps: list[dict[str, Any]] = []
+    for p in range(passes):
+        for n in names:
+            steps.append({"op": "generate", "tokens": ps[n], "tag": f"{p}:{n}"})
+            if extra is not None:
+                steps.append({"op": "drain"})
+    res = H.run_proc({"model_dir": model, "extra": extra, "steps": steps,
+                      "llm_kwargs": {"max_model_len": 4096, "gpu_memory_utilization": 0.2}},
+                     timeout=timeout)["results"]
+    return [{n: res[f"{p}:{n}"] for n in names} for p in range(passes)]
 
 
 def compare(ref: dict, got: dict, tol: float, hit: bool) -> dict[str, Any]:
@@ -97,35 +82,27 @@ def main(argv: list[str] | None = None) -> int:
                          "by up to 0.06 on the CPU machine); tokens must be identical")
     ap.add_argument("--layouts", default="cross_layer,per_layer")
     ap.add_argument("--timeout", type=float, default=300, help="per engine process (s)")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.child:
-        res = child(json.loads(a.child))
-        with open(a.out, "w") as f:
-            json.dump(res, f)
-        return 0
-
     from tests.e2e import helpers as H
 
     work = tempfile.mkdtemp(prefix="tokcheck_")
     model = H.write_model(os.path.join(work, "tiny-llama"))
-    ref = run_child({"model": model, "extra": None}, a.timeout)["passes"][0]
+    ref = run_engine(model, None, 1, a.timeout)[0]
+    tokens = {n: len(p) for n, p in prompts().items()}
     rows: list[dict[str, Any]] = []
     for layout in [x for x in a.layouts.split(",") if x]:
         root = os.path.join(work, f"cache-{layout}")
         dram = H.extra_config(root, dram_cache_bytes=64 * H.FILE_BYTES,
                               staging_bytes=64 * H.FILE_BYTES, gpu_kv_layout=layout)
-        first = run_child({"model": model, "extra": dram, "passes": 2}, a.timeout)
+        first = run_engine(model, dram, 2, a.timeout)
         disk = H.extra_config(root, dram_cache_bytes=0, staging_bytes=64 * H.FILE_BYTES,
                               gpu_kv_layout=layout)
-        again = run_child({"model": model, "extra": disk}, a.timeout)
-        for tier, res, hit in (("store", first["passes"][0], False),
-                               ("dram", first["passes"][1], True),
-                               ("disk", again["passes"][0], True)):
+        again = run_engine(model, disk, 1, a.timeout)
+        for tier, res, hit in (("store", first[0], False), ("dram", first[1], True),
+                               ("disk", again[0], True)):
             for name, got in res.items():
                 rows.append({"layout": layout, "tier": tier, "prompt": name,
-                             "prompt_tokens": len(prompts()[name]),
+                             "prompt_tokens": tokens[name],
                              **compare(ref[name], got, a.tol, hit)})
                 print(json.dumps(rows[-1]), flush=True)
     bad = [r for r in rows if not r["ok"]]

@@ -4,7 +4,8 @@
 
 plan: ``model_dir``, ``extra`` (kv_connector_extra_config or null), ``tp``, ``llm_kwargs``
 (more ``LLM(...)`` arguments, optional), ``out`` (JSON result path) and ``steps``:
-``{"op": "generate", "prompt": "A", "tag": "a1"}``, ``{"op": "generate_many", "prompts":
+``{"op": "generate", "prompt": "A", "tag": "a1"}`` (or ``"tokens": [ids]`` for a prompt
+not in ``H.PROMPTS``), ``{"op": "generate_many", "prompts":
 ["A", "B"], "priority": [0, 1] (optional), "tag": T}`` (submitted at once),
 ``{"op": "drain"}``, ``{"op": "reset_prefix_cache"}`` (vLLM's GPU prefix cache),
 ``{"op": "signal", "path": P}`` (create a file),
@@ -60,7 +61,8 @@ def main() -> int:
             op = step["op"]
             if op == "generate":
                 t = time.perf_counter()
-                r = H.generate(llm, H.PROMPTS[step["prompt"]])
+                r = H.generate(llm, H.PROMPTS[step["prompt"]] if "prompt" in step
+                               else step["tokens"])
                 r["s"] = round(time.perf_counter() - t, 3)
                 res["results"][step["tag"]] = r
             elif op == "generate_many":
