@@ -301,6 +301,9 @@ def _cmd_patch_vllm(args: argparse.Namespace) -> int:
         return 2
     for s in states:
         print(f"{s.name}: {s.state}")
+    note = None if args.reverse else patching.runtime_note(vllm_v)
+    if note:
+        print(f"kvcache patch-vllm: note: {note}", file=sys.stderr)
     if args.check:
         return 0 if all(s.state == "applied" for s in states) else 1
     return 0

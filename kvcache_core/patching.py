@@ -32,6 +32,14 @@ from dataclasses import dataclass
 PATCH_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_patches")
 
 
+#: release lines (major.minor) whose vLLM py-kvcache's connector RUNS on, oldest first: the
+#: lines :mod:`kvcache_core.vllm.compat` has adapters for (it imports this tuple). A patch
+#: series that applies to a release is not runtime support: vLLM 0.27.x, 0.28.x and 0.33.x
+#: take an older line's series, and the v0.34.0 series exists before the 0.34 adapter does
+#: (docs/vllm-0.34-api.md); :func:`runtime_note` says so to whoever patches such a release.
+RUNTIME_LINES: tuple[str, ...] = ("0.26", "0.32")
+
+
 class PatchError(RuntimeError):
     """The target cannot be patched (wrong version, conflict, missing tool)."""
 
@@ -76,6 +84,27 @@ def supported_versions() -> list[str]:
     return sorted((d[1:] for d in os.listdir(PATCH_ROOT)
                    if d.startswith("v") and os.path.isfile(os.path.join(PATCH_ROOT, d, "series"))),
                   key=version_key)
+
+
+def release_line(version: str) -> str:
+    """``"0.34"`` for ``0.34.0``, ``v0.34.1+cu128``, ``0.34.0rc1`` (major.minor, local part
+    ignored). Raises :class:`PatchError` for a string that is not a version."""
+    rel = version_key(version)[0]
+    return f"{rel[0]}.{rel[1] if len(rel) > 1 else 0}"
+
+
+def runtime_note(version: str) -> str | None:
+    """None when py-kvcache's connector runs on vLLM ``version`` (:data:`RUNTIME_LINES`),
+    else one sentence for the operator who patches it: the patches may apply, but a server
+    configured with ``kvcache_core.vllm`` refuses to start on that release."""
+    line = release_line(version)
+    if line in RUNTIME_LINES:
+        return None
+    runs = " and ".join(f"{x}.x" for x in RUNTIME_LINES)
+    return (f"py-kvcache's connector does not run on vLLM {version} (it runs on {runs}): a "
+            "server whose --kv-transfer-config names kvcache_core.vllm refuses to start "
+            "there with a message saying so; the patches only add the preload hooks "
+            "(inert without py-kvcache). See docs/patch-compat.md.")
 
 
 def select_series(version: str, available: list[str] | None = None) -> str:

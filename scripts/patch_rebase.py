@@ -264,11 +264,16 @@ def render_md(report: dict) -> str:
              "",
              "## Which series `kvcache patch-vllm` uses", "",
              "The series of the target's own version, else the newest series older than it. "
-             "A version older than every series is refused.", "",
-             "| vLLM | series | applies |", "|---|---|---|"]
+             "A version older than every series is refused. \"connector runs\": whether "
+             "py-kvcache's connector runs on that release line (`RUNTIME_LINES` in "
+             "`kvcache_core/patching.py`, the lines `kvcache_core/vllm/compat.py` has adapters "
+             "for); on the others a server configured with it refuses to start, saying so, "
+             "and `kvcache patch-vllm` prints a note.", "",
+             "| vLLM | series | applies | connector runs |", "|---|---|---|---|"]
     for v, sel in selection(report, available).items():
         ok = {True: "yes", False: "**no** (refused, nothing changed)", None: "?"}[sel["applies"]]
-        lines.append(f"| {v} | v{sel['series']} | {ok} |")
+        runs = "yes" if _patching.runtime_note(v) is None else "no"
+        lines.append(f"| {v} | v{sel['series']} | {ok} | {runs} |")
     for s in available:
         d = report["series"][s]
         names = d.get("patches", [])

@@ -27,7 +27,7 @@ rebase = load_script("patch_rebase")
 
 # ------------------------------------------------------------------ series selection
 def test_shipped_series():
-    assert patching.supported_versions() == ["0.26.0", "0.32.0"]
+    assert patching.supported_versions() == ["0.26.0", "0.32.0", "0.34.0"]
     for v in patching.supported_versions():
         patches = patching.read_series(v)
         assert [os.path.basename(p)[:4] for p in patches] == ["0001", "0002", "0003"]
@@ -39,7 +39,8 @@ def test_shipped_series():
     ("0.26.1", "0.26.0"), ("0.27.1", "0.26.0"), ("0.31.0", "0.26.0"),
     ("0.32.0rc1", "0.26.0"),  # a pre-release sorts before its release
     ("0.32.0", "0.32.0"), ("v0.32.0", "0.32.0"), ("0.32.0+cu128", "0.32.0"),
-    ("0.32.1.dev7+gabcdef", "0.32.0"), ("0.33.0", "0.32.0"), ("1.0.0", "0.32.0"),
+    ("0.32.1.dev7+gabcdef", "0.32.0"), ("0.33.0", "0.32.0"), ("0.34.0rc1", "0.32.0"),
+    ("0.34.0", "0.34.0"), ("0.34.2+cu130", "0.34.0"), ("1.0.0", "0.34.0"),
 ])
 def test_select_series_is_exact_else_newest_older(version, series):
     assert patching.select_series(version) == series
@@ -50,7 +51,7 @@ def test_older_than_every_series_is_refused_naming_them(version):
     with pytest.raises(patching.PatchError) as e:
         patching.select_series(version)
     assert f"vLLM {version} is not supported" in str(e.value)
-    assert "0.26.0, 0.32.0" in str(e.value)
+    assert "0.26.0, 0.32.0, 0.34.0" in str(e.value)
 
 
 def test_select_series_with_explicit_list_and_bad_version():
@@ -60,6 +61,20 @@ def test_select_series_with_explicit_list_and_bad_version():
         patching.select_series("main", ["0.26.0"])
     with pytest.raises(patching.PatchError, match="no version"):
         patching.select_series("0.26.0", [])
+
+
+@pytest.mark.parametrize("version, line, runs", [
+    ("0.26.0", "0.26", True), ("0.26.3+cpu", "0.26", True), ("v0.32.1", "0.32", True),
+    ("0.32.0rc1", "0.32", True), ("0.27.1", "0.27", False), ("0.33.0", "0.33", False),
+    ("0.34.0", "0.34", False), ("1", "1.0", False)])
+def test_runtime_note_names_the_lines_the_connector_runs_on(version, line, runs):
+    assert patching.release_line(version) == line
+    note = patching.runtime_note(version)
+    if runs:
+        assert note is None
+    else:
+        assert f"does not run on vLLM {version} (it runs on 0.26.x and 0.32.x)" in note
+        assert "refuses to start" in note
 
 
 def test_version_key_orders_like_pep440():

@@ -83,7 +83,7 @@ def test_older_version_is_refused_clearly(tmp_path):
     _set_version(root, "0.25.2")
     r = _cli("--target", root)
     assert r.returncode == 2
-    assert "vLLM 0.25.2" in r.stderr and "0.26.0, 0.32.0 only" in r.stderr
+    assert "vLLM 0.25.2" in r.stderr and "0.26.0, 0.32.0, 0.34.0 only" in r.stderr
     assert _cli("--target", root, "--vllm-version", "0.26.0", "--check").returncode == 1
 
 
@@ -91,11 +91,13 @@ def test_newer_version_uses_the_newest_older_series(tmp_path):
     """Issue 15: 0.27.1 has no series of its own; v0.26.0 applies exactly (the same files
     as 0.26.0 here), with a note naming the series; exact matches print no note."""
     root = _tree(tmp_path)
-    assert "using series" not in _cli("--target", root, "--check").stderr
+    r = _cli("--target", root, "--check")
+    assert "using series" not in r.stderr and "does not run" not in r.stderr
     _set_version(root, "0.27.1")
     r = _cli("--target", root)
     assert r.returncode == 0, r.stderr
     assert "vLLM 0.27.1: using series v0.26.0" in r.stderr
+    assert "does not run on vLLM 0.27.1" in r.stderr  # the series applies, the adapter not
     assert _cli("--target", root, "--check").returncode == 0
     assert patching.chosen_series(root) == ("0.27.1", "0.26.0")
 

@@ -1,8 +1,10 @@
 """The vLLM release adapter: every difference between the supported vLLM releases that
 :mod:`kvcache_core.vllm` depends on, and the version check.
 
-Supported: vLLM 0.26.x and 0.32.x (:data:`RELEASE_LINES`; each has a patch series in
-``kvcache_core/vllm_patches/``, see :func:`kvcache_core.patching.supported_versions`).
+Supported: vLLM 0.26.x and 0.32.x (:data:`RELEASE_LINES`, i.e.
+:data:`kvcache_core.patching.RUNTIME_LINES`; each has a patch series in
+``kvcache_core/vllm_patches/``, see :func:`kvcache_core.patching.supported_versions`; the
+v0.34.0 series has no adapter yet: docs/vllm-0.34-api.md).
 Everything else of the Offload API and of the offloading connector that py-kvcache uses
 is the same in both lines and is used directly by the other modules (one code path);
 what differs is here, as functions and constants selected ONCE, at import, by the
@@ -38,9 +40,11 @@ import re
 from typing import Any
 
 from ..config import ConfigError
+from ..patching import RUNTIME_LINES
 
-#: release lines (major.minor) this module has adapters for, oldest first
-RELEASE_LINES: tuple[str, ...] = ("0.26", "0.32")
+#: release lines (major.minor) this module has adapters for, oldest first (defined beside
+#: the patch series, whose tooling reads it without importing vLLM)
+RELEASE_LINES: tuple[str, ...] = RUNTIME_LINES
 
 
 class UnsupportedVLLMError(ConfigError):
@@ -78,7 +82,9 @@ def check_supported(version: str | None = None) -> str:
         raise UnsupportedVLLMError(
             f"py-kvcache does not support vLLM {version}: it runs on vLLM "
             f"{supported_text()} only (patch series shipped: "
-            f"{', '.join(supported_versions()) or 'none'}). Install a supported vLLM "
+            f"{', '.join(supported_versions()) or 'none'}; a series that applies to a "
+            "release is not runtime support, see docs/patch-compat.md). Install a "
+            "supported vLLM "
             "(`make dev` builds 0.26.0, `make dev-0.32` builds 0.32.0) or use vLLM's own "
             "offloading without kv_connector_module_path/spec_module_path "
             "'kvcache_core.vllm'.")

@@ -201,17 +201,21 @@ def test_adapter_units_under_vllm_032(py032):
 
 
 # ------------------------------------------------------------------ other vLLM releases
-def test_release_lines_match_the_patch_series():
-    from kvcache_core.patching import supported_versions
+def test_every_release_line_has_a_patch_series():
+    """A line the connector runs on has its own series; a series may come before its
+    line's adapter (v0.34.0: docs/vllm-0.34-api.md), never the other way round."""
+    from kvcache_core.patching import RUNTIME_LINES, release_line, supported_versions
     from kvcache_core.vllm import compat
 
-    assert [".".join(v.split(".")[:2]) for v in supported_versions()] == list(
-        compat.RELEASE_LINES)
+    assert compat.RELEASE_LINES is RUNTIME_LINES
+    series_lines = [release_line(v) for v in supported_versions()]
+    assert set(compat.RELEASE_LINES) <= set(series_lines)
+    assert [x for x in series_lines if x not in compat.RELEASE_LINES] == ["0.34"]
 
 
 @pytest.mark.parametrize("version, line", [
     ("0.26.0", "0.26"), ("0.26.3+cpu", "0.26"), ("0.32.0", "0.32"), ("v0.32.1", "0.32"),
-    ("0.32.0rc1", "0.32"), ("0.27.1", None), ("0.33.0", None), ("0.3.2", None),
+    ("0.32.0rc1", "0.32"), ("0.27.1", None), ("0.33.0", None), ("0.34.0", None), ("0.3.2", None),
     ("1.26.0", None), ("main", None)])
 def test_release_line(version, line, vllm_available):
     from kvcache_core.vllm import compat
