@@ -134,6 +134,18 @@ else:
 STORE_JOB_PREFILTER: bool = VLLM_LINE == "0.26"
 
 
+#: Whether vLLM's offloading scheduler calls ``OffloadingManager.touch`` itself. 0.26: yes,
+#: after every lookup (``get_num_new_matched_tokens``) and every store job, with the
+#: request's whole key list per KV group. 0.32: never (its manager API moved recency
+#: into ``lookup`` / ``prepare_*`` / ``on_request_finished``, which vLLM's CPU manager
+#: records itself); py-kvcache's manager keeps its recency, its tail-first order and the
+#: ``lru-admit`` admission's per-request input in ``touch``, so on 0.32 the connector
+#: calls it after each lookup, as 0.26's scheduler did
+#: (:meth:`~kvcache_core.vllm.connector_scheduler.SchedulerSide.touch_request`). Without
+#: that, 0.32 ran ``lru-admit`` as plain LRU: its filter never saw a request.
+MANAGER_TOUCH: bool = VLLM_LINE == "0.26"
+
+
 def offload_cache_dtype(config: Any, model_dtype: str | None) -> str:
     """The KV-cache dtype as 0.26 reports it in ``OffloadingConfig.model.dtype``:
     ``"auto"`` unless ``--kv-cache-dtype`` names another dtype than the model's.

@@ -214,6 +214,8 @@ class OffloadingConnector(_VllmOffloadingConnector):
         assert self._sched is not None
         judged = self._sched.begin_lookup(request)
         found = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if not compat.MANAGER_TOUCH:  # vLLM 0.32: the touch 0.26's scheduler does here
+            self._sched.touch_request(request)
         return self._sched.end_lookup(request, num_computed_tokens, found) if judged else found
 
     def on_preload_candidates(self, requests: list[Request]) -> None:

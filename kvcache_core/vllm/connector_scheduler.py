@@ -302,6 +302,23 @@ class SchedulerSide:
         self.manager.begin_lookup()
         return True
 
+    def touch_request(self, request: Request) -> None:
+        """After vLLM's lookup of ``request`` on a vLLM whose scheduler does not call
+        ``OffloadingManager.touch`` (0.32, :data:`~kvcache_core.vllm.compat.MANAGER_TOUCH`):
+        the touch 0.26's ``_touch`` does at that point, the request's whole key list per
+        KV group (every group is full attention: the connector refuses other models).
+        Scheduler thread; does nothing for a request vLLM does not track or whose lookup
+        was delayed before its keys were computed (no keys yet). 0.26's second touch,
+        after each store job, is not repeated: the lookup's key list already holds every
+        prompt chunk a store job can add, which is what ``complete_store`` orders by."""
+        st = self._cs._req_status.get(request.request_id)
+        if st is None:
+            return
+        touch, ctx = self.manager.touch, st.req_context
+        for gs in st.group_states:
+            if gs.offload_keys:
+                touch(gs.offload_keys, ctx)
+
     def end_lookup(self, request: Request, num_computed_tokens: int,
                    found: tuple[int | None, bool]) -> tuple[int | None, bool]:
         """vLLM's lookup result ``found`` after :meth:`begin_lookup` returned True: the

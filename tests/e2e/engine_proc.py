@@ -11,7 +11,9 @@ not in ``H.PROMPTS``), ``{"op": "generate_many", "prompts":
 ``{"op": "signal", "path": P}`` (create a file),
 ``{"op": "wait_for", "path": P}``, ``{"op": "stats", "tag": T}``, ``{"op":
 "record_preloads"}`` (from then on, each call of the connector's preload hook is recorded
-in ``preload_calls`` as a list of [request id, priority]) and ``{"op": "env"}`` (``env``:
+in ``preload_calls`` as a list of [request id, priority]), ``{"op": "disk_stores", "on":
+false}`` (the manager stops writing files, as a break-even table whose disk never pays
+makes it) and ``{"op": "env"}`` (``env``:
 the vLLM and torch versions, py-kvcache's release line for it, whether vLLM is patched).
 With ``"expect_error": [extra, ...]`` it instead builds one engine per extra config,
 expecting each to fail, and records the error messages.
@@ -85,6 +87,8 @@ def main() -> int:
                     if time.monotonic() > end:
                         raise TimeoutError(step["path"])
                     time.sleep(0.05)
+            elif op == "disk_stores":  # the manager writes files (False: DRAM tier only)
+                H.manager(llm).disk_stores = bool(step["on"])
             elif op == "stats":
                 res["stats"][step["tag"]] = H.manager(llm).stats() \
                     if plan.get("extra") is not None else {}

@@ -190,6 +190,30 @@ def test_preload_hook_order_priority_and_a_corrupt_block(ref032, stored032, py03
     assert after == files and all(os.path.getsize(p) == H.FILE_BYTES for p in after)
 
 
+def test_lru_admit_serves_a_loop_on_vllm_032(ref032, py032, model_dir, workdir):
+    """test_serving's lru-admit loop on 0.32: A, B, C (9 blocks) visited round-robin 4
+    times through a 5-slot DRAM tier, no files. vLLM 0.32's scheduler never calls the
+    manager's ``touch`` (0.26's does after every lookup); the connector does it
+    (``compat.MANAGER_TOUCH``). Without that the admission filter never saw a request,
+    ``lru-admit`` ran as plain LRU, and this loop got no DRAM hit at all."""
+    root = os.path.join(workdir, "root_admit032")
+    extra = H.extra_config(root, dram_cache_bytes=5 * H.FILE_BYTES,
+                           eviction_policy="lru-admit", preload_lookahead=0)
+    steps: list[dict] = [{"op": "disk_stores", "on": False}]
+    for r in range(4):
+        for n in NAMES:
+            steps += [{"op": "generate", "prompt": n, "tag": f"{n}{r}"}, {"op": "drain"}]
+    res = _run(py032, {"model_dir": model_dir, "extra": extra, "steps": steps})
+    ref, out, st = ref032["results"], res["results"], res["stats"]["final"]
+    for tag, o in out.items():
+        assert o["tokens"] == ref[tag[0]]["tokens"], tag
+    assert st["dram_admission_active"] == 1, st
+    assert st["hits_dram"] >= 6 and st["stores_not_admitted"] > 0, st
+    assert sum(out[f"{n}{r}"]["num_cached_tokens"] for r in (1, 2, 3) for n in NAMES) \
+        >= 6 * H.CHUNK
+    assert H.cache_files(root) == set()
+
+
 def test_adapter_units_under_vllm_032(py032):
     """tests/e2e/vllm032_units.py under .venv-0.32's pytest (vLLM 0.32's own classes)."""
     r = subprocess.run([py032, "-m", "pytest", "-q", "-p", "no:cacheprovider",
