@@ -184,8 +184,10 @@ class OffloadingConnector(_VllmOffloadingConnector):
     def prefer_cross_layer_blocks(self) -> bool:
         """vLLM's model runner (worker process, once, when it allocates the KV cache):
         one cross-layer KV tensor (vLLM's choice for an offloading connector, the
-        default) unless ``gpu_kv_layout`` is 'per_layer'."""
-        return self._cross_layer and bool(super().prefer_cross_layer_blocks)
+        default) unless ``gpu_kv_layout`` is 'per_layer'. vLLM 0.32 has no such
+        attribute and never reads it (False there rather than AttributeError)."""
+        return self._cross_layer and bool(getattr(super(), "prefer_cross_layer_blocks",
+                                                  False))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
