@@ -1094,11 +1094,12 @@ def test_trace_gil_probe_sees_a_long_gil_hold_and_the_report_shows_it(make_layou
     assert any(t.name.endswith("-gil-probe") for t in threading.enumerate())
     time.sleep(0.02)
     t0 = time.monotonic()
-    held = 0.0
-    while held < 0.06:  # one C call of >= 60 ms (longer on a slower machine)
+    held, n = 0.0, 3_000_000
+    while held < 0.06:  # one C call of >= 60 ms: longer each try, whatever the machine
         a = time.monotonic()
-        sum(range(3_000_000))
+        sum(range(n))
         held = time.monotonic() - a
+        n *= 2
     time.sleep(0.02)
     r.trace_event("direct_issued", 7, 1234)
     r.trace_event("direct_ops", 7, 114688)
