@@ -778,6 +778,21 @@ def scan_ours(ours: str) -> tuple[list[Import], list[OurClass]]:
     return imports, classes
 
 
+def our_attrs(ours: str) -> set[str]:
+    """Every attribute name that appears as ``<expr>.name`` in the .py files of ``ours``
+    (reads, calls and assignments alike; a superset of what we use of vLLM's classes)."""
+    out: set[str] = set()
+    for d, dirs, names in os.walk(ours):
+        dirs[:] = [x for x in dirs if x != "__pycache__"]
+        for n in names:
+            if n.endswith(".py"):
+                with open(os.path.join(d, n), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+                out.update(node.attr for node in ast.walk(tree)
+                           if isinstance(node, ast.Attribute))
+    return out
+
+
 # ------------------------------------------------------------------ comparison
 def describe_change(a: Api, b: Api) -> tuple[str, bool] | None:
     """What changed from ``a`` (BASE) to ``b`` (NEW), and whether it can break a caller or
@@ -901,6 +916,11 @@ class Comparer:
         self.report = Report(old.label, new.label,
                              time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         self._touched: set[str] = set()  # qualified names with a finding
+        #: every attribute name our code reads or calls (``x.name``): the members of a
+        #: class we only import (not subclass) are compared only for these names (and
+        #: ``__init__``); the rest of such a class (e.g. ``VllmConfig``'s hundreds of
+        #: members) is not our surface and would only be noise
+        self.used_attrs: set[str] = our_attrs(ours)
         #: members added to classes we do not subclass: class key -> row
         self._added_other: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -1102,6 +1122,8 @@ class Comparer:
         for name in sorted(set(mo) | set(mn), key=lambda k: (mn.get(k) or mo[k]).line):
             if not sub and name.startswith("_") and not name.startswith("__"):
                 continue  # private members of a class we only use: the curated list
+            if not sub and name.split(".")[0] not in self.used_attrs and name != "__init__":
+                continue  # a member our code never names
             label = f"{fn.name}.{name}"
             a, b = mo.get(name), mn.get(name)
             over = [oc for oc in ours if name.split(".")[0] in oc.methods]

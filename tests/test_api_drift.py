@@ -33,6 +33,7 @@ BASE = {
         class Event:
             keys: list[int]
             medium: str
+            owner: str = ""
 
 
         class OffloadingManager(ABC):
@@ -118,6 +119,7 @@ NEW.update({
         class Event:
             keys: list[int]
             medium: int
+            owner: int = 0
             locality: str | None = None
 
 
@@ -199,7 +201,7 @@ OURS = {
                 pass
 
             def helper(self):  # ours, overrides nothing
-                return make_key(b"x"), Event, LIMIT, unchanged_func, Unchanged
+                return make_key(b"x"), Event([], 1).medium, LIMIT, unchanged_func, Unchanged
         ''',
     "ourpkg/sched.py": '''
         def tiers():
@@ -258,6 +260,8 @@ def test_signature_changes(synthetic):
     assert not ev["incompatible"] and "added optional `locality: str | None = None`" in \
         ev["change"] and "`medium`: `str` -> `int`" in ev["change"]
     assert _row(report.changed, "Event.medium")["new"] == "int"
+    # a member of a class we only import that our code never names is not our surface
+    assert "Event.owner" not in _names(report.changed)
     assert mk["where"] == _line(NEW, "vllm/v1/kv_offload/base.py", "def make_key")
     assert "ourpkg/manager.py:2" in mk["used_by"]
 
