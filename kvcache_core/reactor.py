@@ -781,8 +781,7 @@ class Reactor(LoadRouting):
                 if t.fd >= 0:
                     self.engine.close(t.tag | OP_CLOSE, t.fd)
                     t.fd = -1
-                self._spec_live.discard(t)
-                self._finish(t, False)
+                self._finish(t, False)  # leaves _spec_live too (_report)
 
     # ---------------------------------------------------------------- scheduling
     def _schedule(self) -> bool:
@@ -1009,7 +1008,6 @@ class Reactor(LoadRouting):
             else:
                 self._count_error("open", res)
                 self.stats.loads_error += 1
-            self._spec_live.discard(t)
             self._finish(t, False)
             return
         if t.flags & (SUPERSEDED | PREEMPTED):

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 from helpers.kvutil import load_script
+from helpers.patchutil import cached_sdist
 
 drift = load_script("vllm_api_drift")
 
@@ -357,16 +358,9 @@ def test_default_base_is_the_newest_runtime_line():
 
 
 # ------------------------------------------------------------------ real sdists
-def _sdist(version: str) -> str:
-    path = os.path.join(drift.CACHE, f"vllm-{version}.tar.gz")
-    if not os.path.isfile(path):
-        pytest.skip(f"{path} not cached (`make patch-rebase` downloads it)")
-    return path
-
-
 def _real(tmp_path, base: str, new: str) -> dict:
-    _sdist(base)
-    _sdist(new)
+    cached_sdist(base, need_patch=False)
+    cached_sdist(new, need_patch=False)
     out = tmp_path / "drift.md"
     assert drift.main(["--base", base, "--new", new, "--offline", "--out", str(out)]) == 0
     return json.loads((tmp_path / "drift.json").read_text())

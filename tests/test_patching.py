@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
+from helpers.patchutil import patch_vllm_cli
 
 from kvcache_core import patching
 
@@ -48,25 +48,20 @@ def _tree(tmp_path, checkout: bool = False) -> str:
     return root
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache_core.cli", "patch-vllm", *args],
-                          capture_output=True, text=True)
-
-
 @pytest.mark.parametrize("checkout", [False, True], ids=["site-packages", "git-checkout"])
 def test_apply_is_idempotent_and_reversible(tmp_path, checkout):
     root = _tree(tmp_path, checkout)
     pristine = {p: open(os.path.join(root, p)).read() for p in _touched()}
-    assert _cli("--target", root, "--check").returncode == 1  # not applied
-    r = _cli("--target", root)
+    assert patch_vllm_cli("--target", root, "--check").returncode == 1  # not applied
+    r = patch_vllm_cli("--target", root)
     assert r.returncode == 0, r.stderr
     once = {p: open(os.path.join(root, p)).read() for p in _touched()}
     assert once != pristine
     assert "_offer_preload_candidates" in once["vllm/v1/core/sched/scheduler.py"]
-    assert _cli("--target", root).returncode == 0  # again: no change
+    assert patch_vllm_cli("--target", root).returncode == 0  # again: no change
     assert {p: open(os.path.join(root, p)).read() for p in _touched()} == once
-    assert _cli("--target", root, "--check").returncode == 0
-    assert _cli("--target", root, "--reverse").returncode == 0
+    assert patch_vllm_cli("--target", root, "--check").returncode == 0
+    assert patch_vllm_cli("--target", root, "--reverse").returncode == 0
     assert {p: open(os.path.join(root, p)).read() for p in _touched()} == pristine
 
 
@@ -81,24 +76,24 @@ def _set_version(root: str, version: str) -> None:
 def test_older_version_is_refused_clearly(tmp_path):
     root = _tree(tmp_path)
     _set_version(root, "0.25.2")
-    r = _cli("--target", root)
+    r = patch_vllm_cli("--target", root)
     assert r.returncode == 2
     assert "vLLM 0.25.2" in r.stderr and "0.26.0, 0.32.0, 0.34.0 only" in r.stderr
-    assert _cli("--target", root, "--vllm-version", "0.26.0", "--check").returncode == 1
+    assert patch_vllm_cli("--target", root, "--vllm-version", "0.26.0", "--check").returncode == 1
 
 
 def test_newer_version_uses_the_newest_older_series(tmp_path):
     """Issue 15: 0.27.1 has no series of its own; v0.26.0 applies exactly (the same files
     as 0.26.0 here), with a note naming the series; exact matches print no note."""
     root = _tree(tmp_path)
-    r = _cli("--target", root, "--check")
+    r = patch_vllm_cli("--target", root, "--check")
     assert "using series" not in r.stderr and "does not run" not in r.stderr
     _set_version(root, "0.27.1")
-    r = _cli("--target", root)
+    r = patch_vllm_cli("--target", root)
     assert r.returncode == 0, r.stderr
     assert "vLLM 0.27.1: using series v0.26.0" in r.stderr
     assert "does not run on vLLM 0.27.1" in r.stderr  # the series applies, the adapter not
-    assert _cli("--target", root, "--check").returncode == 0
+    assert patch_vllm_cli("--target", root, "--check").returncode == 0
     assert patching.chosen_series(root) == ("0.27.1", "0.26.0")
 
 
@@ -112,11 +107,11 @@ def test_conflict_changes_nothing(tmp_path):
     with open(mixin, "w") as f:
         f.write(text.replace(anchor, "kv_connector.bind(scheduler_output)  # upstream change"))
     before = {p: open(os.path.join(root, p)).read() for p in _touched()}
-    r = _cli("--target", root)
+    r = patch_vllm_cli("--target", root)
     assert r.returncode == 2 and "nothing changed" in r.stderr
     assert {p: open(os.path.join(root, p)).read() for p in _touched()} == before
 
 
 def test_not_a_vllm_tree(tmp_path):
-    r = _cli("--target", str(tmp_path))
+    r = patch_vllm_cli("--target", str(tmp_path))
     assert r.returncode == 2 and "no vllm package here" in r.stderr

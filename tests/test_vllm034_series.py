@@ -18,30 +18,15 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import re
-import shutil
-import subprocess
-import sys
 import textwrap
 import types
 
 import pytest
-from helpers.kvutil import load_script
+from helpers.patchutil import apply_exactly, cached_sdist, patch_vllm_cli, rebase
 
 from kvcache_core import patching
 
-rebase = load_script("patch_rebase")
-
 RUNNERS = ("vllm/v1/worker/gpu/kv_connector.py", "vllm/v1/worker/cpu/kv_connector.py")
-
-
-def _sdist(version: str) -> str:
-    path = os.path.join(rebase.CACHE, f"vllm-{version}.tar.gz")
-    if not os.path.isfile(path):
-        pytest.skip(f"{path} not cached (`make patch-rebase` downloads it)")
-    if shutil.which("patch") is None:
-        pytest.skip("GNU patch not installed")
-    return path
 
 
 def _tree(tmp_path, extra: tuple[str, ...] = ()) -> tuple[str, list[str]]:
@@ -50,24 +35,15 @@ def _tree(tmp_path, extra: tuple[str, ...] = ()) -> tuple[str, list[str]]:
                     for f in rebase.touched(p)})
     root = str(tmp_path / "vllm-0.34.0")
     want = {*files, "vllm/__init__.py", "vllm/v1/core/sched/request_queue.py", *extra}
-    found = rebase.extract(_sdist("0.34.0"), want, root)
+    found = rebase.extract(cached_sdist("0.34.0"), want, root)
     # the V1 runner's mixin is gone in 0.34: everything else must be there
     assert want - found == {"vllm/v1/worker/kv_connector_model_runner_mixin.py"}
     return root, sorted(found & set(files))
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcache_core.cli", "patch-vllm", *args],
-                          capture_output=True, text=True)
-
-
 def test_v034_series_applies_exactly_and_hooks_both_runners(tmp_path):
     root, _ = _tree(tmp_path)
-    for p in patching.read_series("0.34.0"):  # no fuzz and no offset: made on this tree
-        r = subprocess.run(["patch", "-p1", "-d", root, "-i", p, "--batch", "-F0"],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert not re.search(r"offset|fuzz", r.stdout + r.stderr), r.stdout
+    apply_exactly(root, patching.read_series("0.34.0"))  # made on this very tree
     sched = open(os.path.join(root, "vllm/v1/core/sched/scheduler.py")).read()
     assert sched.count("self._offer_preload_candidates()") == 1
     assert "self.async_kv_waiting.peek_requests(k)" in sched
@@ -86,17 +62,17 @@ def test_patch_vllm_on_vllm_034_tree(tmp_path):
     root, files = _tree(tmp_path)
     pristine = {f: open(os.path.join(root, f)).read() for f in files}
     assert patching.chosen_series(root, "0.34.0") == ("0.34.0", "0.34.0")
-    r = _cli("--target", root, "--vllm-version", "0.34.0")
+    r = patch_vllm_cli("--target", root, "--vllm-version", "0.34.0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count(": applied") == 3
     assert "using series" not in r.stderr  # its own series
     assert "does not run on vLLM 0.34.0" in r.stderr and "0.26.x and 0.32.x" in r.stderr
     once = {f: open(os.path.join(root, f)).read() for f in files}
     assert once != pristine
-    assert _cli("--target", root, "--vllm-version", "0.34.0").returncode == 0
+    assert patch_vllm_cli("--target", root, "--vllm-version", "0.34.0").returncode == 0
     assert {f: open(os.path.join(root, f)).read() for f in files} == once
-    assert _cli("--target", root, "--vllm-version", "0.34.0", "--check").returncode == 0
-    r = _cli("--target", root, "--vllm-version", "0.34.0", "--reverse")
+    assert patch_vllm_cli("--target", root, "--vllm-version", "0.34.0", "--check").returncode == 0
+    r = patch_vllm_cli("--target", root, "--vllm-version", "0.34.0", "--reverse")
     assert r.returncode == 0 and "does not run" not in r.stderr
     assert {f: open(os.path.join(root, f)).read() for f in files} == pristine
 
@@ -144,10 +120,7 @@ def hook034(tmp_path):
     from vllm.v1.request import RequestStatus
 
     root, _ = _tree(tmp_path)
-    for p in patching.read_series("0.34.0")[:2]:  # the queue and scheduler patches
-        r = subprocess.run(["patch", "-p1", "-d", root, "-i", p, "--batch", "-F0"],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, r.stdout + r.stderr
+    apply_exactly(root, patching.read_series("0.34.0")[:2])  # queue and scheduler patches
     rq = _load_queue_module(root)
     fn = _hook_function(root, {"SchedulingPolicy": rq.SchedulingPolicy,
                                "RequestStatus": RequestStatus})
