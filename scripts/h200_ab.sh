@@ -31,7 +31,7 @@ run() { # $1=before|after $2=config $3=round
   local log="/tmp/ab/$1-r$3-$2.log"
   ( cd "$dir" && export PYTHONPATH=$dir:/tmp/rt:/tmp/site && \
     exec python3 -m kvcache_core.bench.longdoc --model "$AFTER/configs/models/$M" \
-      --root /tmp/ldroot --machine "H200 (GPU machine)" --append --resume --timeout 140 \
+      --root /tmp/ldroot --machine "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) (GPU machine)" --append --resume --timeout 140 \
       --no-probe --json "/tmp/ab/$1-r$3/longdoc-$M.json" --configs "$2" "${kvx[@]}" \
       ${LDARGS:-} ) > "$log" 2>&1 &
   # watchdog: a run past RUNLIMIT s (default 150) gets a py-spy dump of its process tree

@@ -35,11 +35,15 @@ SITE=$(python3 -c 'import vllm,os;print(os.path.dirname(os.path.dirname(vllm.__f
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" >/dev/null
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" --check
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader || true
+# the card this call really got (the device tool lends an H100 or an H200): every
+# result file names it, never a fixed "H200"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+MACHINE="${GPU:-unknown GPU} (GPU machine)"
 # KVEXTRA="key=json key=json": extra py-kvcache config keys for every kvcache config of
 # a longdoc-based step (e.g. KVEXTRA=eviction_policy=arc); SUFFIX names its result files
 # apart (preload-run-$M$SUFFIX.json), so a variant runs beside the default in one call
 B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$ROOT"
-   --machine "H200 (GPU machine)" --append --resume --timeout 420)
+   --machine "$MACHINE" --append --resume --timeout 420)
 KVX=()  # the same keys for the server-based steps (sharegpt, replay)
 for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); KVX+=(--kv-extra "$kv"); done
 if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
@@ -222,7 +226,7 @@ case "$STEP" in
     fi
     python3 -m kvcache_core.bench.sharegpt run --model "configs/models/$M" \
       --workload "${WORKLOAD:-.gpu/sharegpt-llama3.jsonl.gz}" --root "$ROOT" \
-      --json "$RES/sharegpt-$M.json" --machine "H200 (GPU machine)" --resume \
+      --json "$RES/sharegpt-$M.json" --machine "$MACHINE" --resume \
       --n "${N:-2000}" --rate "${RATE:-32}" --timeout "${TIMEOUT:-240}" \
       --budget "${BUDGET:-420}" --rounds "${ROUNDS:-1}" --quiesce "${QUIESCE:-15}" \
       "${PAR[@]}" "${KVX[@]}" \
@@ -277,7 +281,7 @@ case "$STEP" in
     fi
     python3 -m kvcache_core.bench.sharegpt run --model "configs/models/$M" \
       --workload "$WL" --root "$ROOT" --json "$RES/replay-$WN$SFX-$M.json" "${VAR[@]}" \
-      --machine "H200 (GPU machine)" --n "${N:-0}" --rate "${RATE:-2}" \
+      --machine "$MACHINE" --n "${N:-0}" --rate "${RATE:-2}" \
       --rounds "${ROUNDS:-1}" --timeout "${TIMEOUT:-300}" --budget "${BUDGET:-0}" \
       --quiesce "${QUIESCE:-15}" \
       --parallel "${KVX[@]}" \
