@@ -199,6 +199,17 @@ class SchedulerSide:
         #: through the connector's ``preload_lookahead``); 0 disables preload
         self.preload_lookahead: int = opts.preload_lookahead
         self._preload_max: int = opts.preload_max_blocks
+        #: ``preload_protect``: the waiting requests' DRAM-tier blocks are evicted last
+        #: (needs the patched scheduler's per-step call, so preload_lookahead > 0)
+        self._protect: bool = (opts.preload_protect and self.preload_lookahead > 0
+                               and manager.dram is not None)
+        if opts.preload_protect and not self._protect:
+            log.warning("py-kvcache: preload_protect needs preload_lookahead > 0 and a "
+                        "DRAM tier (dram_cache_bytes > 0): off")
+        #: whether the waiting requests' disk blocks are read ahead (False when the
+        #: break-even table says disk loads never win but ``preload_protect`` keeps the
+        #: per-step call)
+        self._plan_disk: bool = True
         #: keys planned since the last metadata (sent with it, then a new list)
         self._preload_plan: list[bytes] = []
         self.gate: Gate | None = None
@@ -280,7 +291,10 @@ class SchedulerSide:
             # Disk loads are always refused on this node: writing files would only
             # slow the requests that store (and preloading them is wasted I/O).
             self.manager.disk_stores = False
-            self.preload_lookahead = 0
+            if self._protect:
+                self._plan_disk = False  # the per-step call still orders the DRAM tier
+            else:
+                self.preload_lookahead = 0
             log.info("py-kvcache: the break-even table says disk loads never beat "
                      "recompute here: disk writes and preloads are off, the DRAM "
                      "tier (if any) still stores and serves")
@@ -374,7 +388,12 @@ class SchedulerSide:
     # ------------------------------------------------------------------ preload (R8)
     def on_preload_candidates(self, requests: list[Request]) -> None:
         """Once per step (patched vLLM), before the metadata is built: plan preloads for
-        the first ``preload_lookahead`` waiting ``requests`` (scheduling order)."""
+        the first ``preload_lookahead`` waiting ``requests`` (scheduling order); with
+        ``preload_protect``, their DRAM-tier blocks become the last to be evicted first."""
+        if self._protect:
+            self.manager.protect_queue(requests, self.group_configs)
+        if not self._plan_disk:
+            return
         admit = None
         if self.queue_model is not None:
             assert self.gate is not None  # the queue model is the gate's table's

@@ -156,6 +156,8 @@ MANAGER_COUNTERS: dict[str, str] = {
     "(queue-aware preload: gated as DRAM-tier blocks; not counted in hits_disk).",
     "preloads_skipped_queue": "Waiting requests whose short disk prefix was not preloaded "
     "because their expected queueing time would not cover the read (queue-aware preload).",
+    "dram_protected": "DRAM-tier blocks of waiting requests moved behind every other block "
+    "in eviction order, summed over steps (preload_protect).",
 }
 #: Gauges of the scheduler side (current values, sent with every stats report that
 #: changes one of them; Prometheus gauges ``vllm:pykvcache_<name>``).
@@ -434,6 +436,9 @@ class PyKVCacheManager(OffloadingManager):
         self.n_ranks = len(self.disk)
         # keys preloaded into staging on every rank -> until when that is believed
         self._staged: collections.OrderedDict[OffloadKey, float] = collections.OrderedDict()
+        #: ``protect_queue``: chunk keys of the waiting requests in view (req id ->
+        #: (block hashes seen, keys of every KV group)), rebuilt each call from the last
+        self._protect_keys: dict[str, tuple[int, list[OffloadKey]]] = {}
         self._lookup_fast = 0
         self._lookup_fast_staged = False
         #: bytes a key's files hold over all ranks (what reading it from disk costs)
@@ -596,6 +601,43 @@ class PyKVCacheManager(OffloadingManager):
         if out:
             self.counters["preloads_planned"] += len(out)
         return out
+
+    def protect_queue(self, requests: Sequence[Any], group_configs: Sequence[Any]) -> None:
+        """``preload_protect``: the DRAM-tier blocks of the waiting ``requests``
+        (scheduling order) become the most recent, the head of the queue's most recent
+        of all and, within a request, its prefix after its tail. A promotion or store
+        that needs a slot then evicts first a block that no request in view will read,
+        then the tail of the request that runs last: Belady's choice over the part of
+        the future the queue shows (vLLM's lookup stops at the first missing chunk, so a
+        kept prefix stays usable). Order only (``policy.refresh``): nothing counts as a
+        reuse, and the admission filter is not consulted. A request's chunk keys are
+        built once and kept while it stays in view. Scheduler thread only."""
+        dram = self.dram
+        if dram is None or not requests:
+            return
+        refresh, index = dram.policy.refresh, dram.index
+        cache, keep = self._protect_keys, {}
+        n = 0
+        for req in reversed(requests):
+            hashes = req.block_hashes
+            rid = req.request_id
+            got = cache.get(rid)
+            if got is None or got[0] != len(hashes):
+                keys: list[OffloadKey] = []
+                for g in group_configs:
+                    hpc = g.hashes_per_chunk
+                    keys.extend(make_offload_key(h, g.group_idx)
+                                for h in itertools.islice(hashes, hpc - 1, None, hpc))
+                got = (len(hashes), keys)
+            keep[rid] = got
+            keys = got[1]
+            for i in range(len(keys) - 1, -1, -1):  # tail first: the head ends newest
+                key = keys[i]
+                if key in index:
+                    refresh(key)
+                    n += 1
+        self._protect_keys = keep
+        self.counters["dram_protected"] += n
 
     # ------------------------------------------------------------------ OffloadingManager
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

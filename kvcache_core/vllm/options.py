@@ -54,7 +54,8 @@ VLLM_KEYS: tuple[str, ...] = ("spec_name", "spec_module_path", "blocks_per_chunk
 GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookahead",
                                "preload_max_blocks", "breakeven_table", "queue_aware_preload",
                                "disk_min_prefix_tokens", "min_store_prefix_tokens",
-                               "disk_lookup_cache_s", "dram_load_sync", "gpu_kv_layout")
+                               "disk_lookup_cache_s", "dram_load_sync", "gpu_kv_layout",
+                               "preload_protect")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY, MODEL_IDENTITY_KEY)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
@@ -124,6 +125,16 @@ GLUE_KEY_HELP: dict[str, str] = {
     "session); the block bytes differ, so the two use separate cache namespaces. "
     "'per_layer' copies each block in one piece per layer (more copy descriptors). vLLM "
     "0.26 only.",
+    "preload_protect": "With preload_lookahead > 0 and a DRAM tier: every step, the DRAM-tier "
+    "blocks of the waiting requests in view (the first preload_lookahead, scheduling order) "
+    "become the last to be evicted, the head of the queue's last of all and each request's "
+    "prefix after its tail, so that a promotion or a store evicts first a block no queued "
+    "request will read, then the tail of the request that runs last (the queue is the part "
+    "of the future the scheduler can see). Order only: nothing counts as a reuse (with "
+    "eviction_policy 'arc', the order within each of its two lists). Stays on "
+    "when the break-even table turns preloads off (then nothing is read ahead). Default "
+    "false: aimed at the queued mixed workload where two documents share a DRAM tier that "
+    "holds 1.3 of them (twenty-sixth session); not yet measured on a GPU.",
     "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
     "that is too short (or on a disk too slow) to win when read on demand, if its expected "
     "queueing time (the table's recompute times of the requests ahead) covers the read "
@@ -142,7 +153,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "preload_max_blocks": "64", "breakeven_table": "-", "disk_min_prefix_tokens": "`auto`",
     "min_store_prefix_tokens": "`auto`",
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
-    "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`",
+    "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`", "preload_protect": "false",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -167,6 +178,8 @@ class VllmOptions:
     preload_max_blocks: int = 64
     breakeven_table: str | None = None
     queue_aware_preload: bool = False
+    #: DRAM-tier blocks of the waiting requests in view are evicted last (queue order)
+    preload_protect: bool = False
     #: int, or "auto" (resolved by the connector from the break-even table)
     disk_min_prefix_tokens: int | str = "auto"
     #: int, or "auto" (resolved by the connector from the break-even table)
@@ -246,6 +259,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
         raise ConfigError("py-kvcache config key 'queue_aware_preload': needs "
                           "'breakeven_table' (the decision uses its recompute times and "
                           "disk bandwidth)")
+    pp = ex.get("preload_protect", False)
+    _need(isinstance(pp, bool), "preload_protect", "must be true or false", pp)
     dm = ex.get("disk_min_prefix_tokens", "auto")
     _need(dm == "auto" or (isinstance(dm, int) and not isinstance(dm, bool) and dm >= 0),
           "disk_min_prefix_tokens", "must be an integer >= 0 or 'auto'", dm)
@@ -265,7 +280,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
                        load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
                        preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt,
-                       queue_aware_preload=qa, disk_min_prefix_tokens=dm,
+                       queue_aware_preload=qa, preload_protect=pp,
+                       disk_min_prefix_tokens=dm,
                        min_store_prefix_tokens=ms,
                        disk_lookup_cache_s=lc,
                        model_identity=ex.get(MODEL_IDENTITY_KEY), dram_load_sync=dls,

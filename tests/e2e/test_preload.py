@@ -114,10 +114,14 @@ def test_preloaded_blocks_give_the_same_tokens_as_recompute(model_dir, workdir, 
     assert s["load_failures"] == 0 and s["chunks_loaded_disk"] == 9, s
 
 
-def test_scbench_like_pressure_bounded_reads_and_staging(model_dir, workdir, tmp_path):
+@pytest.mark.parametrize("protect", [False, True])
+def test_scbench_like_pressure_bounded_reads_and_staging(model_dir, workdir, tmp_path,
+                                                         protect):
     """4 shared contexts x 3 rounds, round-robin; each turn = context + a short question.
-    DRAM tier of 4 slots for a working set of 12 blocks (it thrashes)."""
-    root = os.path.join(workdir, "root_scbench")
+    DRAM tier of 4 slots for a working set of 12 blocks (it thrashes). With
+    ``preload_protect`` the queue orders the DRAM tier every step: the same tokens and
+    bounds, and the counter shows it ran."""
+    root = os.path.join(workdir, f"root_scbench_p{int(protect)}")
     contexts = [[(i * m + c) % 3900 + 100 for i in range(800)]
                 for m, c in ((7919, 1), (104729, 2), (1299709, 3), (15485863, 4))]
 
@@ -130,7 +134,8 @@ def test_scbench_like_pressure_bounded_reads_and_staging(model_dir, workdir, tmp
     try:
         llm = H.make_llm(model_dir, H.extra_config(
             root, dram_cache_bytes=4 * H.FILE_BYTES, staging_bytes=staging, io_depth=2,
-            copy_headroom=2, preload_lookahead=4), max_num_seqs=MAX_SEQS,
+            copy_headroom=2, preload_lookahead=4, preload_protect=protect),
+            max_num_seqs=MAX_SEQS,
             num_gpu_blocks_override=GPU_BLOCKS, max_model_len=GPU_BLOCKS * 128)
         try:
             outs = []
@@ -174,6 +179,7 @@ def test_scbench_like_pressure_bounded_reads_and_staging(model_dir, workdir, tmp
         workers = [json.loads(line) for line in f]
     assert workers and all(w["peak_staging_bytes"] <= w["staging_budget_bytes"]
                            for w in workers), workers
+    assert (s.get("dram_protected", 0) > 0) == protect, s
     needed = s["chunks_loaded_disk"] * H.FILE_BYTES
     assert needed > 0, s
     assert s["bytes_read"] <= 1.1 * needed, (s["bytes_read"], needed, s)
@@ -220,3 +226,31 @@ def test_queue_aware_preload_loads_only_what_is_staged(model_dir, workdir, refer
         assert s["preloads_planned"] == 0 and s["preloads_skipped_queue"] > 0, s
         assert s["gate_refused_disk"] == 3 and s["chunks_loaded_disk"] == 0, s
         assert s["bytes_read"] == 0, s
+
+
+def test_preload_protect_stays_on_when_the_table_turns_preloads_off(model_dir, workdir,
+                                                                    reference, tmp_path):
+    """A break-even table whose disk tier never wins turns disk writes and preloads off;
+    with ``preload_protect`` the patched scheduler's per-step call stays (lookahead > 0)
+    and only orders the DRAM tier: nothing is read ahead or from disk, the queued repeat
+    of A finds A's blocks in the tier, and the tokens are recompute's."""
+    root = os.path.join(workdir, "root_protect_gate")
+    llm = H.make_llm(model_dir, H.extra_config(
+        root, preload_lookahead=4, dram_cache_bytes=8 * H.FILE_BYTES, preload_protect=True,
+        breakeven_table=_queue_table(tmp_path, model_dir, 5.0)),
+        max_num_seqs=MAX_SEQS, num_gpu_blocks_override=GPU_BLOCKS,
+        max_model_len=GPU_BLOCKS * 128)
+    names = ["A", "B", "A"]
+    try:
+        conn = H.scheduler_connector(llm)
+        assert conn.preload_lookahead == 4 and not conn._sched._plan_disk
+        assert not conn._sched.manager.disk_stores
+        outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
+        H.drain(llm)
+        s = H.manager(llm).stats()
+    finally:
+        H.shutdown(llm)
+    for n, o in zip(names, outs, strict=True):
+        assert H.same_output(reference[n], o), n
+    assert s["preloads_planned"] == 0 and s["bytes_read"] == 0, s
+    assert s["dram_protected"] > 0 and s["chunks_loaded_dram"] > 0, s

@@ -7,6 +7,7 @@ import json
 import os
 import time
 
+import pytest
 from helpers.vllm_units import key
 
 from kvcache_core.layout import Layout, Namespace
@@ -660,3 +661,57 @@ def test_manager_disk_admission_doorkeeper_is_bounded(tmp_path, vllm_available,
     assert len(d._seen) + len(d._seen_old) <= 8
     assert d.prepare_store([first[-1]], w).keys_to_store == [first[-1]]  # recent: seen
     assert d.prepare_store([first[0]], w).keys_to_store == []  # forgotten: new again
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru-admit"])
+def test_protect_queue_evicts_what_the_queue_needs_last(tmp_path, vllm_available, policy):
+    """preload_protect: with the DRAM tier full, a store evicts first a block that no
+    waiting request in view will read, then the tail of the request that runs last;
+    the head of the queue's prefix is evicted last. Order only: nothing counts as a
+    reuse, and a request's keys are rebuilt when its hashes grow. (ARC keeps the order
+    only within each of its two lists: its own split between them decides first.)"""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager, make_offload_key
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=4, eviction_policy=policy,
+                         writeback_max_fraction=1.0)
+    g = SimpleNamespace(group_idx=0, hashes_per_chunk=2, tokens_per_chunk=256)
+    w = ReqContext("writer")
+
+    def doc(base: int) -> tuple[SimpleNamespace, list]:
+        hashes = [(base + i).to_bytes(32, "big") for i in range(4)]  # 2 chunks
+        return (SimpleNamespace(request_id=f"r{base}", block_hashes=hashes),
+                [make_offload_key(h, 0) for h in hashes[1::2]])
+
+    (ra, (a1, a2)), (rb, (b1, b2)) = doc(100), doc(200)
+
+    def store(keys: list) -> list:
+        out = m.prepare_store(keys, w)
+        m.complete_store(keys, w)
+        m.on_worker_report(set(), {}, None, dict.fromkeys(keys, 1))  # files written
+        return out.evicted_keys
+
+    assert store([a1, a2, b1, b2]) == []  # full, a1 the oldest
+    m.protect_queue([ra], [g])  # only A waits: B's blocks go first, A's tail before its head
+    assert store([key(1)]) == [b1] and store([key(2)]) == [b2]
+    assert store([key(3)]) == [a2]  # nothing else left: A's tail, never its head first
+    assert m.dram.lookup(a1) >= 0
+    assert m.stats()["dram_protected"] == 2 and m.stats()["hits_dram"] == 0
+    # each step orders the tier again: B now waits ahead of A; the unqueued keys go first
+    m.protect_queue([rb, ra], [g])
+    assert store([b1, b2]) == [key(1), key(2)]  # a1 (queued) outlives them
+    m.protect_queue([rb, ra], [g])
+    assert store([key(4)]) == [key(3)]
+    m.protect_queue([rb, ra], [g])
+    assert store([key(5), key(6)]) == [key(4), a1]  # A runs after B: its block goes first
+    assert m.dram.lookup(b1) >= 0 and m.dram.lookup(b2) >= 0
+    # A's prompt grew a chunk (hashes 100..105): its keys are rebuilt
+    ra.block_hashes = [(100 + i).to_bytes(32, "big") for i in range(6)]
+    m.protect_queue([ra], [g])
+    assert m._protect_keys["r100"][0] == 6 and len(m._protect_keys["r100"][1]) == 3
+    assert set(m._protect_keys) == {"r100"}  # B left the view: forgotten
+    m.dram.check()

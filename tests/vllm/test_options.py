@@ -34,6 +34,10 @@ def test_parse_extra_config_errors_name_the_key():
         O.parse_extra_config({**base, "breakeven_table": "t.json", "queue_aware_preload": 1})
     with pytest.raises(ConfigError, match="'queue_aware_preload': needs 'breakeven_table'"):
         O.parse_extra_config({**base, "queue_aware_preload": True})
+    with pytest.raises(ConfigError, match="'preload_protect'.*true or false"):
+        O.parse_extra_config({**base, "preload_protect": "yes"})
+    assert O.parse_extra_config({**base, "preload_protect": True}).preload_protect
+    assert not O.parse_extra_config(base).preload_protect
     assert O.parse_extra_config({**base, "breakeven_table": "t.json",
                                  "queue_aware_preload": True}).queue_aware_preload
     for bad in (-1, "4k", True, 1.5):
