@@ -15,10 +15,17 @@ now: a prefix loses its tail first), ``lru-admit`` (the manager's
 ``eviction_policy=lru-admit``: LRU tail first behind kvcache_core.admission's filter), and
 ``opt`` (Belady per chunk: evict the chunk
 needed again last, offline; a reference, not a strict bound, since a hit must be a
-prefix).
+prefix). A ``-q<k>`` suffix on any online policy models the connector key
+``preload_protect``: before a request's stores, the tier blocks of the next ``k``
+requests (the waiting requests the patched scheduler shows) are refreshed, the k-th
+first and each tail first, as ``PyKVCacheManager.protect_queue`` does every step.
 
 Usage: python scripts/sim_dram_policy.py WORKLOAD [--tier-bytes 8GiB] [--kv-bytes-per-token
        114688] [--block 256] [--json OUT]
+       python scripts/sim_dram_policy.py --docs-order 1,0,-1,1 --doc-chunks 160
+       --tier-chunks 207     (requests by document id in that order; a negative id is a
+       request with nothing to reuse: the order in which a queued workload's requests got
+       their KV, e.g. the mixed 16 x 40k's, read from its per-request TTFTs)
 """
 
 from __future__ import annotations
@@ -89,7 +96,13 @@ def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
     in the tier), then the stores of its missing chunks in prompt order. ``-tail``: the
     tail-first order (touch walks the keys backwards, and after the stores the request's
     blocks are re-ordered tail first without counting a use)."""
-    name, tail = policy.removesuffix("-tail"), policy.endswith("-tail")
+    look = 0
+    base, _, q = policy.rpartition("-q")
+    if base and q.isdigit():  # preload_protect over the next int(q) requests
+        policy_name, look = base, int(q)
+    else:
+        policy_name = policy
+    name, tail = policy_name.removesuffix("-tail"), policy_name.endswith("-tail")
     adm = None
     if name == "lru-admit":  # the manager's eviction_policy=lru-admit (tail first)
         name, tail, adm = "lru", True, AdmissionDuel(capacity)
@@ -109,6 +122,10 @@ def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
         for k in (reversed(keys) if tail else keys):  # vLLM's touch at lookup
             if k in present:
                 pol.hit(k)
+        for j in range(min(len(reqs), i + 1 + look) - 1, i, -1):  # protect_queue
+            for k in reversed(reqs[j]):
+                if k in present:
+                    pol.refresh(k)
         for k in keys[n:]:
             if k in present:
                 continue
@@ -133,7 +150,13 @@ def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("workload")
+    ap.add_argument("workload", nargs="?")
+    ap.add_argument("--docs-order", help="instead of a workload: document ids, comma-"
+                    "separated (negative: a request with its own unique chunks)")
+    ap.add_argument("--doc-chunks", type=int, default=160,
+                    help="chunks per document with --docs-order (160: 40k tokens)")
+    ap.add_argument("--tier-chunks", type=int, default=0,
+                    help="tier size in chunks (overrides --tier-bytes)")
     ap.add_argument("--tier-bytes", type=float, default=8 * (1 << 30))
     ap.add_argument("--kv-bytes-per-token", type=int, default=114688,
                     help="KV bytes per token (default: Llama-3.2-3B, bf16)")
@@ -141,10 +164,17 @@ def main() -> int:
     ap.add_argument("--policies", default="lru,lru-tail,arc,arc-tail,lru-admit,opt")
     ap.add_argument("--json")
     a = ap.parse_args()
-    from kvcache_core.workloads import read_workload
+    if a.docs_order:
+        ids = [int(x) for x in a.docs_order.split(",")]
+        reqs = [[(d, c) for c in range(a.doc_chunks)] for d in ids]
+        a.workload = f"docs order {a.docs_order}"
+    elif a.workload:
+        from kvcache_core.workloads import read_workload
 
-    reqs = [chunk_keys(r["prompt_token_ids"], a.block) for r in read_workload(a.workload)]
-    cap = int(a.tier_bytes // (a.block * a.kv_bytes_per_token))
+        reqs = [chunk_keys(r["prompt_token_ids"], a.block) for r in read_workload(a.workload)]
+    else:
+        ap.error("a workload file or --docs-order")
+    cap = a.tier_chunks or int(a.tier_bytes // (a.block * a.kv_bytes_per_token))
     distinct = len({k for ks in reqs for k in ks})
     print(f"{a.workload}: {len(reqs)} requests, {distinct} distinct chunks, tier "
           f"{cap} chunks ({cap / max(1, distinct):.0%} of them)", file=sys.stderr)

@@ -42,3 +42,23 @@ def test_lru_admit_wins_loops_and_stays_near_lru_on_conversations():
     ch = chat(16, 400)
     lru = sim.simulate(ch, 80, "lru-tail")["hit_rate"]
     assert sim.simulate(ch, 80, "lru-admit")["hit_rate"] >= 0.8 * lru
+
+
+def test_queue_protection_helps_a_loop_and_the_document_order_matters_more():
+    """``-q<k>`` (preload_protect): over a loop larger than the tier, refreshing the next
+    requests' blocks before each store keeps chunks that plain LRU evicts just before
+    their use. And the twenty-sixth session's point: the same requests of two documents
+    through a tier of 1.3 documents hit far less when the documents interleave than when
+    each one's requests run together."""
+    lp = loop(4, 8, 4)
+    assert sim.simulate(lp, 20, "lru-tail")["chunks_hit"] == 0
+    assert sim.simulate(lp, 20, "lru-tail-q3")["chunks_hit"] > 0
+    assert (sim.simulate(lp, 20, "lru-admit-q3")["chunks_hit"]
+            >= sim.simulate(lp, 20, "lru-admit")["chunks_hit"])
+
+    def docs(order: str) -> list:
+        return [[(d, c) for c in range(10)] for d in map(int, order.split(","))]
+
+    grouped = sim.simulate(docs("1,1,1,0,0,0"), 13, "lru-admit")["chunks_hit"]
+    mixed = sim.simulate(docs("1,0,1,0,1,0"), 13, "lru-admit")["chunks_hit"]
+    assert grouped > 1.5 * mixed, (grouped, mixed)
