@@ -18,7 +18,9 @@ needed again last, offline; a reference, not a strict bound, since a hit must be
 prefix). A ``-q<k>`` suffix on any online policy models the connector key
 ``preload_protect``: before a request's stores, the tier blocks of the next ``k``
 requests (the waiting requests the patched scheduler shows) are refreshed, the k-th
-first and each tail first, as ``PyKVCacheManager.protect_queue`` does every step.
+first and each tail first, as ``PyKVCacheManager.protect_queue`` does every step, and a
+store takes no slot whose victim one of them reads before the new block
+(``_queue_admits``).
 
 Usage: python scripts/sim_dram_policy.py WORKLOAD [--tier-bytes 8GiB] [--kv-bytes-per-token
        114688] [--block 256] [--json OUT]
@@ -122,8 +124,10 @@ def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
         for k in (reversed(keys) if tail else keys):  # vLLM's touch at lookup
             if k in present:
                 pol.hit(k)
+        rank: dict = {}
         for j in range(min(len(reqs), i + 1 + look) - 1, i, -1):  # protect_queue
             for k in reversed(reqs[j]):
+                rank[k] = j
                 if k in present:
                     pol.refresh(k)
         for k in keys[n:]:
@@ -133,6 +137,8 @@ def simulate(reqs: list[list[int]], capacity: int, policy: str) -> dict:
                 v = pol.victim(lambda _k: True)
                 if adm is not None and not adm.admit(k, v):
                     continue
+                if rank and v in rank and rank[v] < rank.get(k, len(reqs)):
+                    continue  # _queue_admits: the queue reads the victim first
                 pol.evicted(v)
                 present.discard(v)
                 evictions += 1

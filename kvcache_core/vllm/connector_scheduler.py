@@ -210,6 +210,9 @@ class SchedulerSide:
         #: break-even table says disk loads never win but ``preload_protect`` keeps the
         #: per-step call)
         self._plan_disk: bool = True
+        #: ``preload_protect``: whether this step's hook ranked the queue (the patched
+        #: scheduler skips the hook when nothing waits; the ranks are then dropped)
+        self._ranked: bool = False
         #: keys planned since the last metadata (sent with it, then a new list)
         self._preload_plan: list[bytes] = []
         self.gate: Gate | None = None
@@ -392,6 +395,7 @@ class SchedulerSide:
         ``preload_protect``, their DRAM-tier blocks become the last to be evicted first."""
         if self._protect:
             self.manager.protect_queue(requests, self.group_configs)
+            self._ranked = True
         if not self._plan_disk:
             return
         admit = None
@@ -508,7 +512,12 @@ class SchedulerSide:
         there is nothing to add, else a :class:`PyKVCacheConnectorMetadata` with the
         preload plan and the manager's deferred write-backs. Every step's metadata reaches
         the workers' ``start_load_kv`` (with or without a forward), so the slots pinned for
-        the write-backs are always released."""
+        the write-backs are always released. With ``preload_protect``, a step in which
+        nothing waited drops the queue ranks (no request in view any more)."""
+        if self._protect:
+            if not self._ranked:
+                self.manager.protect_queue((), self.group_configs)
+            self._ranked = False
         if self._short_finished:  # their final store jobs were built just now
             short = self.manager.short_requests
             nostore = self.manager.nostore_requests

@@ -158,6 +158,8 @@ MANAGER_COUNTERS: dict[str, str] = {
     "because their expected queueing time would not cover the read (queue-aware preload).",
     "dram_protected": "DRAM-tier blocks of waiting requests moved behind every other block "
     "in eviction order, summed over steps (preload_protect).",
+    "dram_queue_refused": "Stores and promotions that took no DRAM slot because its victim "
+    "is read by a waiting request in view before the new block (preload_protect).",
 }
 #: Gauges of the scheduler side (current values, sent with every stats report that
 #: changes one of them; Prometheus gauges ``vllm:pykvcache_<name>``).
@@ -439,6 +441,9 @@ class PyKVCacheManager(OffloadingManager):
         #: ``protect_queue``: chunk keys of the waiting requests in view (req id ->
         #: (block hashes seen, keys of every KV group)), rebuilt each call from the last
         self._protect_keys: dict[str, tuple[int, list[OffloadKey]]] = {}
+        #: ``protect_queue``: key -> position of the first waiting request in view that
+        #: reads it (empty unless preload_protect is on)
+        self._queue_rank: dict[OffloadKey, int] = {}
         self._lookup_fast = 0
         self._lookup_fast_staged = False
         #: bytes a key's files hold over all ranks (what reading it from disk costs)
@@ -611,14 +616,23 @@ class PyKVCacheManager(OffloadingManager):
         the future the queue shows (vLLM's lookup stops at the first missing chunk, so a
         kept prefix stays usable). Order only (``policy.refresh``): nothing counts as a
         reuse, and the admission filter is not consulted. A request's chunk keys are
-        built once and kept while it stays in view. Scheduler thread only."""
+        built once and kept while it stays in view.
+
+        It also records each key's rank (the position of the first request in view that
+        reads it) for :meth:`_queue_admits`, Belady's admission over the queue: until the
+        next call, a store or promotion does not take a DRAM slot whose victim a request
+        in view reads before it reads the new block. Scheduler thread only."""
         dram = self.dram
+        rank = self._queue_rank
+        rank.clear()
         if dram is None or not requests:
             return
         refresh, index = dram.policy.refresh, dram.index
         cache, keep = self._protect_keys, {}
         n = 0
+        pos = len(requests)
         for req in reversed(requests):
+            pos -= 1
             hashes = req.block_hashes
             rid = req.request_id
             got = cache.get(rid)
@@ -633,11 +647,30 @@ class PyKVCacheManager(OffloadingManager):
             keys = got[1]
             for i in range(len(keys) - 1, -1, -1):  # tail first: the head ends newest
                 key = keys[i]
+                rank[key] = pos  # the earliest request in view that reads it wins
                 if key in index:
                     refresh(key)
                     n += 1
         self._protect_keys = keep
         self.counters["dram_protected"] += n
+
+    def _queue_admits(self, key: OffloadKey) -> bool:
+        """``preload_protect``: whether ``key`` may take a DRAM slot now. False when the
+        slot's victim is read by a request in view earlier than ``key`` is (a key no
+        request in view reads ranks last); True when a slot is free, the victim is not
+        in view, or the queue was not ranked (protect off). Counted when False."""
+        rank = self._queue_rank
+        if not rank:
+            return True
+        assert self.dram is not None
+        victim = self.dram.next_victim()
+        if victim is None:
+            return True
+        rv = rank.get(victim)
+        if rv is None or rv >= rank.get(key, 1 << 30):
+            return True
+        self.counters["dram_queue_refused"] += 1
+        return False
 
     # ------------------------------------------------------------------ OffloadingManager
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -710,7 +743,7 @@ class PyKVCacheManager(OffloadingManager):
                         self._hot[key] = None
             for i in range(len(keys)):
                 if recs[i][1] == "disk":
-                    slot = self._acquire(None)
+                    slot = self._acquire(None) if self._queue_admits(keys[i]) else -1
                     if slot >= 0:
                         recs[i] = (slot, "promote")
         slots, flags = [], []
@@ -862,7 +895,7 @@ class PyKVCacheManager(OffloadingManager):
                     self.counters["stores_not_admitted"] += 1
                     if not disk:
                         continue
-                else:
+                elif self._queue_admits(key):
                     slot = self._acquire(evicted)
             if deferred and slot < 0:  # no DRAM slot to keep it in until it proves reused
                 self.counters["stores_disk_not_admitted"] += 1

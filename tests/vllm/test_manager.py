@@ -666,10 +666,10 @@ def test_manager_disk_admission_doorkeeper_is_bounded(tmp_path, vllm_available,
 @pytest.mark.parametrize("policy", ["lru", "lru-admit"])
 def test_protect_queue_evicts_what_the_queue_needs_last(tmp_path, vllm_available, policy):
     """preload_protect: with the DRAM tier full, a store evicts first a block that no
-    waiting request in view will read, then the tail of the request that runs last;
-    the head of the queue's prefix is evicted last. Order only: nothing counts as a
-    reuse, and a request's keys are rebuilt when its hashes grow. (ARC keeps the order
-    only within each of its two lists: its own split between them decides first.)"""
+    waiting request in view will read; it takes no slot whose victim a request in view
+    reads before the new block (Belady's admission over the queue), and takes one whose
+    victim is read later. Order only: nothing counts as a reuse; a request's keys are
+    rebuilt when its hashes grow; a step with nothing waiting drops the ranks."""
     from types import SimpleNamespace
 
     from vllm.v1.kv_offload.base import ReqContext
@@ -687,7 +687,7 @@ def test_protect_queue_evicts_what_the_queue_needs_last(tmp_path, vllm_available
         return (SimpleNamespace(request_id=f"r{base}", block_hashes=hashes),
                 [make_offload_key(h, 0) for h in hashes[1::2]])
 
-    (ra, (a1, a2)), (rb, (b1, b2)) = doc(100), doc(200)
+    (ra, (a1, a2)), (rb, (b1, b2)), (rc, (c1, _)) = doc(100), doc(200), doc(300)
 
     def store(keys: list) -> list:
         out = m.prepare_store(keys, w)
@@ -696,22 +696,28 @@ def test_protect_queue_evicts_what_the_queue_needs_last(tmp_path, vllm_available
         return out.evicted_keys
 
     assert store([a1, a2, b1, b2]) == []  # full, a1 the oldest
-    m.protect_queue([ra], [g])  # only A waits: B's blocks go first, A's tail before its head
+    m.protect_queue([ra], [g])  # only A waits: B's blocks go first
     assert store([key(1)]) == [b1] and store([key(2)]) == [b2]
-    assert store([key(3)]) == [a2]  # nothing else left: A's tail, never its head first
-    assert m.dram.lookup(a1) >= 0
-    assert m.stats()["dram_protected"] == 2 and m.stats()["hits_dram"] == 0
-    # each step orders the tier again: B now waits ahead of A; the unqueued keys go first
+    assert store([key(3)]) == []  # the victim would be A's tail: no slot (disk only)
+    assert m.dram.lookup(a1) >= 0 and m.dram.lookup(a2) >= 0
+    s = m.stats()
+    assert s["dram_queue_refused"] == 1 and s["stores_no_dram_slot"] == 1
+    assert s["dram_protected"] == 2 and s["hits_dram"] == 0
+    # B waits ahead of A: the unqueued blocks make room for B's
     m.protect_queue([rb, ra], [g])
-    assert store([b1, b2]) == [key(1), key(2)]  # a1 (queued) outlives them
+    assert store([b1, b2]) == [key(1), key(2)]
     m.protect_queue([rb, ra], [g])
-    assert store([key(4)]) == [key(3)]
-    m.protect_queue([rb, ra], [g])
-    assert store([key(5), key(6)]) == [key(4), a1]  # A runs after B: its block goes first
-    assert m.dram.lookup(b1) >= 0 and m.dram.lookup(b2) >= 0
+    assert store([key(4)]) == []  # every victim is read by the queue first
+    # C, ahead of both, takes the slot of the block the queue reads last (A's tail)
+    m.protect_queue([rc, rb, ra], [g])
+    assert store([c1]) == [a2]
+    assert store([key(5)]) == [] and m.stats()["dram_queue_refused"] == 3
+    # nothing waits any more: no ranks, plain LRU again
+    m.protect_queue((), [g])
+    assert store([key(6)]) == [a1]
     # A's prompt grew a chunk (hashes 100..105): its keys are rebuilt
     ra.block_hashes = [(100 + i).to_bytes(32, "big") for i in range(6)]
     m.protect_queue([ra], [g])
     assert m._protect_keys["r100"][0] == 6 and len(m._protect_keys["r100"][1]) == 3
-    assert set(m._protect_keys) == {"r100"}  # B left the view: forgotten
+    assert set(m._protect_keys) == {"r100"}  # the others left the view: forgotten
     m.dram.check()
