@@ -340,6 +340,35 @@ def test_jobs_split_cold_process_configs_into_store_and_load():
         ("kvcache_preload", "both"), ("native_fs", "both")]
 
 
+def test_a_failed_store_phase_skips_its_load_phase(monkeypatch):
+    """native_fs's store phase died (vLLM's tiering KeyError, twice on the GPU): its load
+    phase is not run; the process spawned ahead for it is killed and the next
+    configuration's is spawned ahead instead; jobs stay in order."""
+    made, cancelled = [], []
+
+    class FakeChild:
+        def __init__(self, args, config, phase, seq):
+            self.config, self.phase, self.seq = config, phase, seq
+            made.append((config, phase))
+
+        def cancel(self):
+            cancelled.append((self.config, self.phase))
+
+    monkeypatch.setattr(L, "_Child", FakeChild)
+    args = SimpleNamespace(_jobs=L._jobs(["native_fs", "kvcache_disk"], "longdoc"),
+                           _job_pos=1, no_prespawn=False)
+    args._pre = FakeChild(args, "native_fs", "load", 1)
+    L._skip_child(args, "native_fs", "load")
+    assert cancelled == [("native_fs", "load")]
+    assert made[-1] == ("kvcache_disk", "store") and args._pre.seq == 2
+    assert args._job_pos == 2
+    with pytest.raises(RuntimeError, match="not the run's next one"):
+        L._skip_child(args, "native_fs", "load")
+    args._job_pos, args._pre, args.no_prespawn = 3, None, True  # the last job: nothing ahead
+    L._skip_child(args, "kvcache_disk", "load")
+    assert args._pre is None and args._job_pos == 4
+
+
 def test_rounds_schedule_alternates_the_order():
     assert L._schedule(["a", "b", "c"], 1) == [("a", 1), ("b", 1), ("c", 1)]
     assert L._schedule(["a", "b"], 3) == [("a", 1), ("b", 1), ("b", 2), ("a", 2),

@@ -588,6 +588,24 @@ def _next_child(args, config: str, phase: str) -> _Child:
     return child
 
 
+def _skip_child(args, config: str, phase: str) -> None:
+    """The run's next job (``config``, ``phase``) is not run (its store phase failed:
+    a load phase would measure nothing): the process spawned ahead for it is killed, and
+    the job after it is spawned ahead instead."""
+    jobs = args._jobs
+    pos = getattr(args, "_job_pos", 0)
+    if pos >= len(jobs) or jobs[pos] != (config, phase):
+        raise RuntimeError(f"engine job {config}/{phase} is not the run's next one")
+    args._job_pos = pos + 1
+    pre: _Child | None = getattr(args, "_pre", None)
+    args._pre = None
+    if pre is not None:
+        pre.cancel()
+    if not args.no_prespawn and pos < len(jobs) - 1:
+        args._pre = _Child(args, *jobs[pos + 1], pos + 1)
+    log(f"{config}/{phase}: skipped (the store phase failed)")
+
+
 def _run_child(args, config: str, phase: str, timeout: float,
                sample: float = 0.0) -> dict | None:
     """Run one engine process; with ``sample`` > 0, sample its process tree that often
@@ -1137,8 +1155,12 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
             dropped = None
         elif base in COLD_PROCESS:
             store = _run_child(args, cfg, "store", args.timeout)
-            dropped = drop_caches()
-            load = _run_child(args, cfg, "load", args.timeout, args.sample_interval)
+            if store is None:  # e.g. vLLM's tiering KeyError: nothing to load
+                _skip_child(args, cfg, "load")
+                dropped, load = None, None
+            else:
+                dropped = drop_caches()
+                load = _run_child(args, cfg, "load", args.timeout, args.sample_interval)
         else:
             store = load = _run_child(args, cfg, "both", args.timeout)
             dropped = None
