@@ -563,10 +563,12 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def _next_child(args, config: str, phase: str) -> _Child:
+def _next_child(args, config: str, phase: str, skip: bool = False) -> _Child | None:
     """The process for (config, phase), which must be the run's next job (``args._jobs``,
     position ``args._job_pos``): the one spawned ahead for it, else a new one; then spawn
-    the job after it ahead (unless ``--no-prespawn``)."""
+    the job after it ahead (unless ``--no-prespawn``). ``skip``: the job is not run (its
+    store phase failed: a load phase would measure nothing): the process spawned ahead
+    for it is killed and None returned; the job after it is still spawned ahead."""
     jobs = args._jobs
     pos = getattr(args, "_job_pos", 0)
     if pos >= len(jobs) or jobs[pos] != (config, phase):
@@ -574,7 +576,8 @@ def _next_child(args, config: str, phase: str) -> _Child:
     args._job_pos = pos + 1
     pre: _Child | None = getattr(args, "_pre", None)
     args._pre = None
-    if pre is not None and pre.seq == pos:
+    child = None
+    if pre is not None and pre.seq == pos and not skip:
         child = pre
         log(f"{config}/{phase}: engine process spawned ahead "
             f"{time.monotonic() - pre.spawned:.0f}s ago, imports "
@@ -582,28 +585,18 @@ def _next_child(args, config: str, phase: str) -> _Child:
     else:
         if pre is not None:
             pre.cancel()
-        child = _Child(args, config, phase, pos)
+        if skip:
+            log(f"{config}/{phase}: skipped (the store phase failed)")
+        else:
+            child = _Child(args, config, phase, pos)
     if not args.no_prespawn and pos < len(jobs) - 1:
         args._pre = _Child(args, *jobs[pos + 1], pos + 1)
     return child
 
 
 def _skip_child(args, config: str, phase: str) -> None:
-    """The run's next job (``config``, ``phase``) is not run (its store phase failed:
-    a load phase would measure nothing): the process spawned ahead for it is killed, and
-    the job after it is spawned ahead instead."""
-    jobs = args._jobs
-    pos = getattr(args, "_job_pos", 0)
-    if pos >= len(jobs) or jobs[pos] != (config, phase):
-        raise RuntimeError(f"engine job {config}/{phase} is not the run's next one")
-    args._job_pos = pos + 1
-    pre: _Child | None = getattr(args, "_pre", None)
-    args._pre = None
-    if pre is not None:
-        pre.cancel()
-    if not args.no_prespawn and pos < len(jobs) - 1:
-        args._pre = _Child(args, *jobs[pos + 1], pos + 1)
-    log(f"{config}/{phase}: skipped (the store phase failed)")
+    """:func:`_next_child` for a job that is not run."""
+    _next_child(args, config, phase, skip=True)
 
 
 def _run_child(args, config: str, phase: str, timeout: float,
@@ -611,6 +604,7 @@ def _run_child(args, config: str, phase: str, timeout: float,
     """Run one engine process; with ``sample`` > 0, sample its process tree that often
     (``res["samples"]``, see :class:`.scbench.TreeSampler`)."""
     child = _next_child(args, config, phase)
+    assert child is not None
     nxt: _Child | None = args._pre
     child.start(args.gate_table_path or "", sample, hold=nxt is not None)
     rc, samples = child.finish(

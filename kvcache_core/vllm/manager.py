@@ -630,9 +630,8 @@ class PyKVCacheManager(OffloadingManager):
         refresh, index = dram.policy.refresh, dram.index
         cache, keep = self._protect_keys, {}
         n = 0
-        pos = len(requests)
-        for req in reversed(requests):
-            pos -= 1
+        for pos in range(len(requests) - 1, -1, -1):  # the last first: the head ends newest
+            req = requests[pos]
             hashes = req.block_hashes
             rid = req.request_id
             got = cache.get(rid)

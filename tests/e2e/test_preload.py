@@ -81,12 +81,10 @@ def _store_all(model_dir, root, prompts):
         H.shutdown(llm)
 
 
-def _queued_rerun(model_dir, root, reference, **extra):
-    """Store documents A, B, C (one engine), then send all three at once to a fresh engine
-    with one running slot and room for one request (the others queue), ``extra`` added to
-    the connector config. Checks the tokens against recompute; returns (stats, connector)."""
-    names = ["A", "B", "C"]
-    _store_all(model_dir, root, [H.PROMPTS[n] for n in names])
+def _queued(model_dir, root, reference, names, **extra):
+    """Send the prompts ``names`` at once to a fresh engine with one running slot and room
+    for one request (the others queue), ``extra`` added to the connector config (preload
+    lookahead 4). Checks the tokens against recompute; returns (stats, connector)."""
     llm = H.make_llm(model_dir, H.extra_config(root, preload_lookahead=4, **extra),
                      max_num_seqs=MAX_SEQS, num_gpu_blocks_override=GPU_BLOCKS,
                      max_model_len=GPU_BLOCKS * 128)
@@ -100,6 +98,14 @@ def _queued_rerun(model_dir, root, reference, **extra):
     for n, o in zip(names, outs, strict=True):
         assert H.same_output(reference[n], o), n
     return s, conn
+
+
+def _queued_rerun(model_dir, root, reference, **extra):
+    """Store documents A, B, C (one engine), then send all three at once to a fresh
+    engine (:func:`_queued`)."""
+    names = ["A", "B", "C"]
+    _store_all(model_dir, root, [H.PROMPTS[n] for n in names])
+    return _queued(model_dir, root, reference, names, **extra)
 
 
 @pytest.mark.parametrize("depth", [1, 3])
@@ -234,23 +240,11 @@ def test_preload_protect_stays_on_when_the_table_turns_preloads_off(model_dir, w
     with ``preload_protect`` the patched scheduler's per-step call stays (lookahead > 0)
     and only orders the DRAM tier: nothing is read ahead or from disk, the queued repeat
     of A finds A's blocks in the tier, and the tokens are recompute's."""
-    root = os.path.join(workdir, "root_protect_gate")
-    llm = H.make_llm(model_dir, H.extra_config(
-        root, preload_lookahead=4, dram_cache_bytes=8 * H.FILE_BYTES, preload_protect=True,
-        breakeven_table=_queue_table(tmp_path, model_dir, 5.0)),
-        max_num_seqs=MAX_SEQS, num_gpu_blocks_override=GPU_BLOCKS,
-        max_model_len=GPU_BLOCKS * 128)
-    names = ["A", "B", "A"]
-    try:
-        conn = H.scheduler_connector(llm)
-        assert conn.preload_lookahead == 4 and not conn._sched._plan_disk
-        assert not conn._sched.manager.disk_stores
-        outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
-        H.drain(llm)
-        s = H.manager(llm).stats()
-    finally:
-        H.shutdown(llm)
-    for n, o in zip(names, outs, strict=True):
-        assert H.same_output(reference[n], o), n
+    s, conn = _queued(model_dir, os.path.join(workdir, "root_protect_gate"), reference,
+                      ["A", "B", "A"], dram_cache_bytes=8 * H.FILE_BYTES,
+                      preload_protect=True,
+                      breakeven_table=_queue_table(tmp_path, model_dir, 5.0))
+    assert conn.preload_lookahead == 4 and not conn._sched._plan_disk
+    assert not conn._sched.manager.disk_stores
     assert s["preloads_planned"] == 0 and s["bytes_read"] == 0, s
     assert s["dram_protected"] > 0 and s["chunks_loaded_dram"] > 0, s
