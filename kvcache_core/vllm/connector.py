@@ -212,7 +212,8 @@ class OffloadingConnector(_VllmOffloadingConnector):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """vLLM's lookup between the two halves of the scheduler side's judgement: the
-        break-even gate (R9) and ``dram_load_sync``."""
+        break-even gate (R9), ``disk_load_hold_s`` (``(None, False)``: ask again next
+        step) and ``dram_load_sync``."""
         assert self._sched is not None
         judged = self._sched.begin_lookup(request)
         found = super().get_num_new_matched_tokens(request, num_computed_tokens)

@@ -21,6 +21,9 @@ connector's hooks, one call at a time: nothing here takes a lock. It owns:
   only for requests without a pending load, and this request computes in this step) while
   the manager keeps its slots pinned (``hold_loads``) until every worker reports the
   copy done (``sync_done``); the job ids ride in the metadata (``sync_loads``);
+* ``disk_load_hold_s``: a waiting request that would read its prefix from disk while
+  another request's disk load is in flight is answered "not yet" (vLLM keeps it in
+  place and schedules the requests behind it), for at most that long;
 * the workers' reports (:class:`~kvcache_core.vllm.metadata.PyKVCacheWorkerMetadata`):
   failed loads rewind their requests' store cursors (self-healing), then everything goes
   to the manager.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
@@ -236,6 +240,10 @@ class SchedulerSide:
         self._sync_lookup: set[str] = set()
         self._sync_jobs: list[int] = []
         self._sync_pending: dict[int, int] = {}
+        #: ``disk_load_hold_s`` (0: off) and the held requests: req id -> monotonic
+        #: deadline of its wait, or -1.0 once the deadline passed (it then loads)
+        self.hold_s: float = opts.disk_load_hold_s
+        self._hold_until: dict[str, float] = {}
         self._num_workers: int = int(cs.config.num_workers)
         if self.dram_load_sync:
             self.dram_load_sync = dram_load_sync_supported(cs, opts)
@@ -314,7 +322,7 @@ class SchedulerSide:
             self.manager.nostore_requests.add(request.request_id)
         elif self.disk_min_prefix_tokens and n < self.disk_min_prefix_tokens:
             self.manager.short_requests.add(request.request_id)
-        if self.gate is None and not self.dram_load_sync:
+        if self.gate is None and not self.dram_load_sync and not self.hold_s:
             return False
         self.manager.begin_lookup()
         return True
@@ -339,13 +347,17 @@ class SchedulerSide:
     def end_lookup(self, request: Request, num_computed_tokens: int,
                    found: tuple[int | None, bool]) -> tuple[int | None, bool]:
         """vLLM's lookup result ``found`` after :meth:`begin_lookup` returned True: the
-        break-even gate (:meth:`gate_lookup`), then ``dram_load_sync``: a load whose every
-        chunk is in the DRAM tier is answered synchronous (``(n, False)``),
+        break-even gate (:meth:`gate_lookup`), then ``disk_load_hold_s`` (:meth:`_hold`:
+        ``(None, False)``, vLLM asks again next step), then ``dram_load_sync``: a load
+        whose every chunk is in the DRAM tier is answered synchronous (``(n, False)``),
         unless it covers the whole request."""
         result = self.gate_lookup(request, num_computed_tokens, found)
+        rid = request.request_id
+        if self.hold_s and self._hold(rid, found, result):
+            self._sync_lookup.discard(rid)
+            return None, False
         if not self.dram_load_sync:
             return result
-        rid = request.request_id
         n = result[0]
         # A hit that reaches the end of the request stays asynchronous: vLLM then
         # recomputes the last token itself, while a synchronous load must leave at least
@@ -359,6 +371,31 @@ class SchedulerSide:
                 return n, False
         self._sync_lookup.discard(rid)
         return result
+
+    def _hold(self, rid: str, found: tuple[int | None, bool],
+              result: tuple[int | None, bool]) -> bool:
+        """``disk_load_hold_s``: whether request ``rid``, whose lookup gave ``found`` and
+        the gate ``result``, waits this step. It waits when the gate let it load its
+        whole prefix, part of which must come from disk, while another request's disk
+        load is in flight (the manager's ``disk_loads_in_flight``; a waiting request has
+        none of its own), until ``hold_s`` after its first wait; from then on it loads.
+        Scheduler thread."""
+        n = result[0]
+        if (not n or n != found[0] or not self.manager.disk_loads_in_flight
+                or self.manager.lookup_tier() != "disk"):
+            return False
+        until = self._hold_until.get(rid)
+        if until is None:
+            self._hold_until[rid] = time.monotonic() + self.hold_s
+            self.manager.counters["loads_held"] += 1
+            return True
+        if until < 0:
+            return False
+        if time.monotonic() < until:
+            return True
+        self._hold_until[rid] = -1.0
+        self.manager.counters["loads_hold_expired"] += 1
+        return False
 
     def gate_lookup(self, request: Request, num_computed_tokens: int,
                     found: tuple[int | None, bool]) -> tuple[int | None, bool]:
@@ -425,7 +462,10 @@ class SchedulerSide:
     # ------------------------------------------------------------------ request life
     def after_alloc(self, request: Request) -> None:
         """``request`` was scheduled (``update_state_after_alloc``): its gate decision
-        is counted, and it joins the prefilling requests of the queue-aware estimate."""
+        is counted, it joins the prefilling requests of the queue-aware estimate, and it
+        waits no more (``disk_load_hold_s``)."""
+        if self._hold_until:
+            self._hold_until.pop(request.request_id, None)
         if self.queue_model is not None:
             self._prefilling[request.request_id] = request
         if self._gate_decisions:
@@ -502,6 +542,7 @@ class SchedulerSide:
         self._sync_lookup.discard(request.request_id)
         self._prefilling.pop(request.request_id, None)
         self._gate_decisions.pop(request.request_id, None)
+        self._hold_until.pop(request.request_id, None)
         if self.disk_min_prefix_tokens or self.min_store_prefix_tokens:
             self._short_finished.append(request.request_id)
 

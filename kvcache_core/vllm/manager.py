@@ -160,6 +160,10 @@ MANAGER_COUNTERS: dict[str, str] = {
     "in eviction order, summed over steps (preload_protect).",
     "dram_queue_refused": "Stores and promotions that took no DRAM slot because its victim "
     "is read by a waiting request in view before the new block (preload_protect).",
+    "loads_held": "Waiting requests that waited for another request's disk load before "
+    "starting their own (disk_load_hold_s; each request counted once per wait).",
+    "loads_hold_expired": "Such waits that reached disk_load_hold_s: the request then "
+    "loaded from disk beside the other load.",
 }
 #: Gauges of the scheduler side (current values, sent with every stats report that
 #: changes one of them; Prometheus gauges ``vllm:pykvcache_<name>``).
@@ -375,6 +379,9 @@ class PyKVCacheManager(OffloadingManager):
         # (req_id, key) -> (dram slot or -1, "pin" | "promote" | "disk") for loads in flight
         self._loading: dict[tuple[str, OffloadKey], tuple[int, str]] = {}
         self._loading_refs: collections.Counter[OffloadKey] = collections.Counter()
+        #: records in _loading / _held that read from disk ("disk" or "promote"): the
+        #: connector's ``disk_load_hold_s`` holds disk-loading requests while it is > 0
+        self.disk_loads_in_flight = 0
         # synchronous DRAM loads that vLLM's scheduler already counts complete while the
         # workers still copy them: token (vLLM's job id) -> (req_id, [(key, record)])
         self._held: dict[int, tuple[str, list[tuple[OffloadKey, tuple[int, str]]]]] = {}
@@ -752,6 +759,8 @@ class PyKVCacheManager(OffloadingManager):
                 staged.pop(key, None)  # claimed now (the worker serves it from staging)
             how = rec[1]
             self.counters["loads_dram" if how == "pin" else "loads_disk"] += 1
+            if how != "pin":
+                self.disk_loads_in_flight += 1
             if how == "promote":
                 self.counters["promotions"] += 1
                 self._promoting[key] += 1
@@ -798,6 +807,8 @@ class PyKVCacheManager(OffloadingManager):
 
     def _finish_load(self, key: OffloadKey, rec: tuple[int, str], failed: bool) -> None:
         slot, how = rec
+        if how != "pin":
+            self.disk_loads_in_flight -= 1
         if how == "pin":
             assert self.dram is not None
             self.dram.unpin(slot)
@@ -1013,6 +1024,7 @@ class PyKVCacheManager(OffloadingManager):
         self._wb_pinned.clear()
         self._wb_storing.clear()
         self._loading.clear()
+        self.disk_loads_in_flight = 0
         self._held.clear()
         self._loading_refs.clear()
         self._promoting.clear()

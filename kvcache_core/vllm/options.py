@@ -55,7 +55,7 @@ GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookah
                                "preload_max_blocks", "breakeven_table", "queue_aware_preload",
                                "disk_min_prefix_tokens", "min_store_prefix_tokens",
                                "disk_lookup_cache_s", "dram_load_sync", "gpu_kv_layout",
-                               "preload_protect")
+                               "preload_protect", "disk_load_hold_s")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY, MODEL_IDENTITY_KEY)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
@@ -137,6 +137,17 @@ GLUE_KEY_HELP: dict[str, str] = {
     "when the break-even table turns preloads off (then nothing is read ahead). Default "
     "false: aimed at the queued mixed workload where two documents share a DRAM tier that "
     "holds 1.3 of them (twenty-sixth session); not yet measured on a GPU.",
+    "disk_load_hold_s": "Seconds (0 = off, the default; at most 3600). A waiting request "
+    "whose reusable prefix must be read from disk, and that the break-even gate (if any) "
+    "lets load, waits while another request's disk load is in flight, for at most this "
+    "long from its first wait; it keeps its place in vLLM's queue, and requests behind "
+    "it that need no disk read (DRAM-tier hits, misses, prefixes another request is "
+    "reading) go ahead. On-demand disk loads then run one request at a time at the "
+    "disk's full speed instead of sharing it, and the requests of a document that was "
+    "just read into the DRAM tier are served from it before another document's read "
+    "evicts it. Needs nothing from the patch series. Counters loads_held (requests that "
+    "waited), loads_hold_expired (waits cut by the limit). Off by default: not yet "
+    "measured on a GPU.",
     "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
     "that is too short (or on a disk too slow) to win when read on demand, if its expected "
     "queueing time (the table's recompute times of the requests ahead) covers the read "
@@ -156,6 +167,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "min_store_prefix_tokens": "`auto`",
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
     "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`", "preload_protect": "false",
+    "disk_load_hold_s": "0",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -197,6 +209,8 @@ class VllmOptions:
     dram_load_sync_set: bool = False
     #: "cross_layer" (vLLM's layout for an offloading connector) or "per_layer"
     gpu_kv_layout: str = CROSS_LAYER
+    #: seconds a disk-loading request waits behind another request's disk load (0: off)
+    disk_load_hold_s: float = 0.0
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -275,6 +289,10 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
           "disk_lookup_cache_s", "must be a number of seconds in 0..3600 or 'auto'", lc)
     dls = ex.get("dram_load_sync", True)
     _need(isinstance(dls, bool), "dram_load_sync", "must be true or false", dls)
+    hold = ex.get("disk_load_hold_s", 0)
+    _need(isinstance(hold, (int, float)) and not isinstance(hold, bool)
+          and 0 <= hold <= 3600 and hold == hold,
+          "disk_load_hold_s", "must be a number of seconds in 0..3600", hold)
     gkl = ex.get("gpu_kv_layout", CROSS_LAYER)
     _need(gkl in GPU_KV_LAYOUTS, "gpu_kv_layout",
           "must be " + " or ".join(repr(x) for x in GPU_KV_LAYOUTS), gkl)
@@ -287,7 +305,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
                        min_store_prefix_tokens=ms,
                        disk_lookup_cache_s=lc,
                        model_identity=ex.get(MODEL_IDENTITY_KEY), dram_load_sync=dls,
-                       dram_load_sync_set="dram_load_sync" in ex, gpu_kv_layout=gkl)
+                       dram_load_sync_set="dram_load_sync" in ex, gpu_kv_layout=gkl,
+                       disk_load_hold_s=float(hold))
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:

@@ -38,6 +38,11 @@ def test_parse_extra_config_errors_name_the_key():
         O.parse_extra_config({**base, "preload_protect": "yes"})
     assert O.parse_extra_config({**base, "preload_protect": True}).preload_protect
     assert not O.parse_extra_config(base).preload_protect
+    for bad in (-1, 3601, "30", True, float("nan"), None):
+        with pytest.raises(ConfigError, match="'disk_load_hold_s'.*0..3600"):
+            O.parse_extra_config({**base, "disk_load_hold_s": bad})
+    assert O.parse_extra_config(base).disk_load_hold_s == 0.0
+    assert O.parse_extra_config({**base, "disk_load_hold_s": 30}).disk_load_hold_s == 30.0
     assert O.parse_extra_config({**base, "breakeven_table": "t.json",
                                  "queue_aware_preload": True}).queue_aware_preload
     for bad in (-1, "4k", True, 1.5):
