@@ -215,6 +215,8 @@ class OffloadingConnector(_VllmOffloadingConnector):
         break-even gate (R9), ``disk_load_hold_s`` (``(None, False)``: ask again next
         step) and ``dram_load_sync``."""
         assert self._sched is not None
+        if self._sched.hold_s and self._sched.still_held(request):
+            return None, False
         judged = self._sched.begin_lookup(request)
         found = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not compat.MANAGER_TOUCH:  # vLLM 0.32: the touch 0.26's scheduler does here

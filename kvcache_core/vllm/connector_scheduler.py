@@ -244,6 +244,8 @@ class SchedulerSide:
         #: deadline of its wait, or -1.0 once the deadline passed (it then loads)
         self.hold_s: float = opts.disk_load_hold_s
         self._hold_until: dict[str, float] = {}
+        #: held request -> the manager's ``load_epoch`` when it was last held
+        self._hold_epoch: dict[str, int] = {}
         self._num_workers: int = int(cs.config.num_workers)
         if self.dram_load_sync:
             self.dram_load_sync = dram_load_sync_supported(cs, opts)
@@ -387,15 +389,32 @@ class SchedulerSide:
         until = self._hold_until.get(rid)
         if until is None:
             self._hold_until[rid] = time.monotonic() + self.hold_s
+            self._hold_epoch[rid] = self.manager.load_epoch
             self.manager.counters["loads_held"] += 1
             return True
         if until < 0:
             return False
         if time.monotonic() < until:
+            self._hold_epoch[rid] = self.manager.load_epoch
             return True
         self._hold_until[rid] = -1.0
+        self._hold_epoch.pop(rid, None)
         self.manager.counters["loads_hold_expired"] += 1
         return False
+
+    def still_held(self, request: Request) -> bool:
+        """Before vLLM's lookup of ``request`` (``disk_load_hold_s`` on): True when it
+        was held and nothing it waits for changed since (a disk load still in flight, no
+        disk load ended and no block was staged since: the manager's ``load_epoch``;
+        its wait not yet over), so the connector answers "not yet" without a lookup: a
+        held request costs no per-chunk work per step. Scheduler thread."""
+        rid = request.request_id
+        until = self._hold_until.get(rid)
+        if until is None or until < 0:
+            return False
+        m = self.manager
+        return (m.disk_loads_in_flight > 0 and self._hold_epoch.get(rid) == m.load_epoch
+                and time.monotonic() < until)
 
     def gate_lookup(self, request: Request, num_computed_tokens: int,
                     found: tuple[int | None, bool]) -> tuple[int | None, bool]:
@@ -466,6 +485,7 @@ class SchedulerSide:
         waits no more (``disk_load_hold_s``)."""
         if self._hold_until:
             self._hold_until.pop(request.request_id, None)
+            self._hold_epoch.pop(request.request_id, None)
         if self.queue_model is not None:
             self._prefilling[request.request_id] = request
         if self._gate_decisions:
@@ -543,6 +563,7 @@ class SchedulerSide:
         self._prefilling.pop(request.request_id, None)
         self._gate_decisions.pop(request.request_id, None)
         self._hold_until.pop(request.request_id, None)
+        self._hold_epoch.pop(request.request_id, None)
         if self.disk_min_prefix_tokens or self.min_store_prefix_tokens:
             self._short_finished.append(request.request_id)
 

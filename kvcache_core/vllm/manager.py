@@ -382,6 +382,9 @@ class PyKVCacheManager(OffloadingManager):
         #: records in _loading / _held that read from disk ("disk" or "promote"): the
         #: connector's ``disk_load_hold_s`` holds disk-loading requests while it is > 0
         self.disk_loads_in_flight = 0
+        #: bumped whenever a disk load ends or the workers report blocks staged: what a
+        #: request held by ``disk_load_hold_s`` would find may have changed
+        self.load_epoch = 0
         # synchronous DRAM loads that vLLM's scheduler already counts complete while the
         # workers still copy them: token (vLLM's job id) -> (req_id, [(key, record)])
         self._held: dict[int, tuple[str, list[tuple[OffloadKey, tuple[int, str]]]]] = {}
@@ -809,6 +812,7 @@ class PyKVCacheManager(OffloadingManager):
         slot, how = rec
         if how != "pin":
             self.disk_loads_in_flight -= 1
+            self.load_epoch += 1
         if how == "pin":
             assert self.dram is not None
             self.dram.unpin(slot)
@@ -1051,6 +1055,7 @@ class PyKVCacheManager(OffloadingManager):
         if written:
             self._on_written(written)
         if staged:
+            self.load_epoch += 1
             until = time.monotonic() + STAGED_TTL_S
             for k, n in staged.items():
                 if n >= self.n_ranks:
