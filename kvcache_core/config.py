@@ -114,6 +114,15 @@ KEY_HELP: dict[str, str] = {
     "computing or loading. 0 (default) starts them at once. For the H200 A/B of issue 9's "
     "storing requests (scripts/h200_runs.sh vab; the env KVCACHE_WRITEBACK_DEFER_MS of "
     "older runs does the same when this key is 0). 0..10.",
+    "write_depth_reading": "Most write-back files started while the reactor reads (an "
+    "on-demand load or a preload waiting or in flight): 'auto' (default) = the usual write "
+    "depth, io_depth // 2 in serving; 0 starts none until the reads are done; 1..io_depth "
+    "caps them. On a disk that both reads loads and writes stores, the reads of waiting "
+    "requests then get the disk's bandwidth and the writes wait (the DRAM tier holds their "
+    "blocks; past writeback_max_fraction new stores keep no file, as when the disk is "
+    "behind). Writes already started finish. For the H200 A/B of the queued mixed "
+    "workload, where the disk was busy the whole run with about as many bytes written as "
+    "read.",
     "disk_admission": "Which stored blocks get a file: 'all' (default: every stored block, "
     "written in the background) or 'reuse' (a block's first store keeps it in the DRAM "
     "tier only; its file is written once a request reads it from there, or when it is "
@@ -218,6 +227,7 @@ class StorageConfig:
     writeback_max_fraction: float = 0.5
     writeback_flush: bool = False
     writeback_defer_s: float = 0.0
+    write_depth_reading: int | str = "auto"
     disk_admission: str = "all"
     block_size: int = 256
     max_disk_bytes: int = 0
@@ -287,6 +297,11 @@ class StorageConfig:
         need(isinstance(self.writeback_defer_s, (int, float)) and not isinstance(
             self.writeback_defer_s, bool) and 0 <= self.writeback_defer_s <= 10,
              "writeback_defer_s", "must be a number of seconds in 0..10 (0 = off)")
+        need(self.write_depth_reading == "auto" or (
+            isinstance(self.write_depth_reading, int)
+            and not isinstance(self.write_depth_reading, bool)
+            and 0 <= self.write_depth_reading <= self.io_depth), "write_depth_reading",
+             "must be 'auto' or an integer in 0..io_depth")
         need(self.disk_admission in ("all", "reuse"), "disk_admission",
              "must be 'all' or 'reuse'")
         need(self.direct_io in ("auto", "on", "off"), "direct_io", "must be auto, on or off")

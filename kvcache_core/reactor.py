@@ -291,6 +291,10 @@ class Reactor(LoadRouting):
     :meth:`note_foreground`, unless the write-back queue is past its high-water mark.
     ``spec_depth`` (config key ``preload_depth``): speculative loads open or reading at
     once, 1..64, capped at ``io_depth - 1`` (see the module doc).
+    ``write_depth_reading`` (config key of the same name; None = ``write_depth``): most
+    file writes in flight for a new write-back file to start while any read (foreground
+    or speculative) is queued, opening or in flight; 0 starts none then. Writes already
+    started are not interrupted.
     """
 
     def __init__(self, layout: Layout, *, n_slots: int, external_slots: int = 0,
@@ -305,7 +309,8 @@ class Reactor(LoadRouting):
                  trace: bool = False, early_store_ack: bool = False,
                  store_policy: str = "wait", write_depth: int | None = None,
                  io_timeout_s: float = 0.0, store_copy_wait: str = "poll",
-                 writeback_defer_s: float = 0.0, spec_depth: int = 1) -> None:
+                 writeback_defer_s: float = 0.0, spec_depth: int = 1,
+                 write_depth_reading: int | None = None) -> None:
         if not 1 <= spec_depth <= 64:
             raise ValueError(f"spec_depth must be in 1..64, got {spec_depth!r}")
         if not 0 <= writeback_defer_s <= 10:
@@ -351,6 +356,13 @@ class Reactor(LoadRouting):
         if not 1 <= write_depth <= io_depth:
             raise ValueError(f"write_depth must be in 1..io_depth, got {write_depth}")
         self.write_depth = write_depth
+        if write_depth_reading is None:
+            write_depth_reading = write_depth
+        if not 0 <= write_depth_reading <= io_depth:
+            raise ValueError(f"write_depth_reading must be in 0..io_depth, got "
+                             f"{write_depth_reading!r}")
+        #: the write cap while reads wait or run (never above write_depth)
+        self.write_depth_reading = min(write_depth_reading, write_depth)
         #: ``writeback_defer_s`` (config key; when 0, env ``KVCACHE_WRITEBACK_DEFER_MS`` of
         #: older runs): after any new load or store (or :meth:`note_foreground`), start no
         #: write-back file for this long, unless more than half the caller-owned slots (or
@@ -815,9 +827,14 @@ class Reactor(LoadRouting):
         #    most ``write_depth`` files at once so that reads always keep units
         if self._wq and self.writeback_defer_s and self._deferring():
             pass  # foreground work just arrived: let it have the machine (diagnostic knob)
-        else:
+        elif self._wq:
+            wd = self.write_depth
+            if wd > self.write_depth_reading and (
+                    self._new_fg or self._opened_fg or self._opening or self._new_spec
+                    or self._opened_spec or self._io_inflight > self._writes_inflight):
+                wd = self.write_depth_reading  # reads first (write_depth_reading)
             while (self._wq and self._io_inflight < self.io_depth
-                   and self._writes_inflight < self.write_depth):
+                   and self._writes_inflight < wd):
                 self._start_write(self._wq.popleft())
                 worked = True
         # 5. speculative: up to spec_depth at a time, above the foreground reservation

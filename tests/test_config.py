@@ -70,6 +70,10 @@ def test_config_unknown_key_is_named():
     ("preload_depth", 65),
     ("preload_depth", "2"),
     ("preload_depth", True),
+    ("write_depth_reading", -1),
+    ("write_depth_reading", 9),  # above the default io_depth (8)
+    ("write_depth_reading", "1"),
+    ("write_depth_reading", True),
 ])
 def test_config_bad_value_names_the_key(key, value):
     assert_config_error_names_key(key, value)

@@ -312,3 +312,66 @@ def test_copy_mode_keys_are_validated():
                        key) == "kernel"
     cfg = StorageConfig.from_dict({"root_dir": "/tmp/x"})
     assert (cfg.store_copy, cfg.dram_load_copy) == ("dma", "auto")
+
+
+@pytest.mark.parametrize("wdr", [None, 0, 1])
+def test_write_depth_reading_keeps_writes_behind_a_stuck_read(make_layout, wdr):
+    """``write_depth_reading``: an on-demand read is stuck on the disk (its completion
+    withheld by :class:`GatedReadEngine`) while three stores arrive. By default their
+    files are written meanwhile; with 0 none starts until the read completes, with 1 they
+    are written one at a time. The stores are acknowledged at once either way, and
+    every file is written in the end."""
+    from helpers.kvutil import GatedReadEngine
+
+    lay = make_layout()
+    k = b"wdr-read"
+    assert lay.write_block(k, payload(k, BLOCK))
+    gate = threading.Event()
+    eng = GatedReadEngine(6, gate, {lay.path_for(k)[-16:]})
+    r = Reactor(lay, n_slots=8, io_depth=4, lookahead=2, engine=eng, copier=MemcpyCopier,
+                pin=False, early_store_ack=True, store_policy="drop",
+                write_depth_reading=wdr)
+    assert r.write_depth == 2 and r.write_depth_reading == (2 if wdr is None else wdr)
+    peak = [0]
+    start_write = r._start_write
+
+    def counted(t):  # on the reactor thread: the files in flight once this one started
+        start_write(t)
+        peak[0] = max(peak[0], r._writes_inflight)
+
+    r._start_write = counted
+    try:
+        d = sentinel_buf(BLOCK)
+        r.load("fg", [(k, d, BLOCK)])
+        assert wait_until(lambda: len(eng.held) >= 1, 10)  # the read is stuck
+        ks = keys_of("wdr", 3)
+        r.store("S", items(ks))
+        assert _acks(r, "S") == ["store_copied"]
+
+        def written() -> bool:
+            return all(lay.exists(x) for x in ks)
+
+        # 0: 300 ms with the read stuck and no file started; else every file is written
+        # while the read is still stuck
+        assert wait_until(written, 0.3 if wdr == 0 else 20) is (wdr != 0)
+        assert len(eng.held) == 1
+        if wdr == 0:
+            assert not any(lay.exists(x) for x in ks) and peak[0] == 0
+        else:
+            assert 1 <= peak[0] <= r.write_depth_reading
+        gate.set()
+        eng.wake()
+        assert r.wait(10)
+        assert bytes(d) == payload(k, BLOCK)
+        for x in ks:
+            assert lay.read_block(x) == payload(x, BLOCK)
+    finally:
+        gate.set()
+        eng.wake()
+        r.close()
+
+
+def test_write_depth_reading_is_checked(make_layout):
+    with pytest.raises(ValueError, match="write_depth_reading"):
+        Reactor(make_layout(), n_slots=4, io_depth=2, copier=MemcpyCopier, pin=False,
+                engine="posix", write_depth_reading=3)

@@ -129,7 +129,9 @@ class PyKVCacheWorker(OffloadingWorker):
                 switch_interval_scope=storage.switch_interval_scope,
                 store_copy_wait=storage.store_copy_wait,
                 writeback_defer_s=float(storage.writeback_defer_s),
-                spec_depth=storage.preload_depth)
+                spec_depth=storage.preload_depth,
+                write_depth_reading=(None if storage.write_depth_reading == "auto"
+                                     else int(storage.write_depth_reading)))
         except BaseException:
             self.layout.close()
             raise
