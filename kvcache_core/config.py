@@ -120,9 +120,11 @@ KEY_HELP: dict[str, str] = {
     "caps them. On a disk that both reads loads and writes stores, the reads of waiting "
     "requests then get the disk's bandwidth and the writes wait (the DRAM tier holds their "
     "blocks; past writeback_max_fraction new stores keep no file, as when the disk is "
-    "behind). Writes already started finish. For the H200 A/B of the queued mixed "
+    "behind). Writes already started finish. For the GPU A/B of the queued mixed "
     "workload, where the disk was busy the whole run with about as many bytes written as "
-    "read.",
+    "read (twenty-seventh session); with 0 alone the blocks waiting for their file took "
+    "DRAM-tier slots the reusing requests needed (measured once, without a same-call "
+    "baseline: not yet a result).",
     "disk_admission": "Which stored blocks get a file: 'all' (default: every stored block, "
     "written in the background) or 'reuse' (a block's first store keeps it in the DRAM "
     "tier only; its file is written once a request reads it from there, or when it is "
