@@ -100,3 +100,32 @@ def test_a_wait_ends_at_its_limit(model_dir, workdir, reference):
         assert o["num_cached_tokens"] == 768, o
     assert s["loads_held"] == 2 and s["loads_hold_expired"] == 2, s
     assert s["chunks_loaded_disk"] == 6, s
+
+
+@pytest.mark.parametrize("protect", [False, True])
+def test_writes_behind_reads_in_a_queued_engine(model_dir, workdir, reference, protect):
+    """``write_depth_reading=0`` (no new write-back file while a read waits or runs),
+    alone and with ``preload_protect``: A and B stored on disk, then a fresh engine with
+    one running slot gets A, C (new: it stores), B, A at once. Every request gives
+    recompute's tokens, the reusing ones load their whole prefix, and C's files are
+    written in the end (the writes wait for the reads, they are not lost)."""
+    root = os.path.join(workdir, f"root_wdr_{int(protect)}")
+    _store(model_dir, root, ["A", "B"])
+    files_before = H.cache_files(root)
+    llm = H.make_llm(model_dir, H.extra_config(
+        root, dram_cache_bytes=8 * H.FILE_BYTES, preload_lookahead=4,
+        write_depth_reading=0, preload_protect=protect),
+        max_num_seqs=1, num_gpu_blocks_override=10, max_model_len=1280)
+    try:
+        names = ["A", "C", "B", "A"]
+        outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
+        H.drain(llm)
+        s = H.manager(llm).stats()
+    finally:
+        H.shutdown(llm)
+    for n, o in zip(names, outs, strict=True):
+        assert H.same_output(reference[n], o), n
+        assert o["num_cached_tokens"] == (0 if n == "C" else 768), (n, o)
+    new = H.cache_files(root) - files_before
+    assert len(new) == 3, (sorted(new), s)  # C's three blocks, written after the reads
+    assert s["load_failures"] == 0 and s["chunks_loaded_disk"] >= 6, s
