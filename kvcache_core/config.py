@@ -122,9 +122,12 @@ KEY_HELP: dict[str, str] = {
     "blocks; past writeback_max_fraction new stores keep no file, as when the disk is "
     "behind). Writes already started finish. For the GPU A/B of the queued mixed "
     "workload, where the disk was busy the whole run with about as many bytes written as "
-    "read (twenty-seventh session); with 0 alone the blocks waiting for their file took "
-    "DRAM-tier slots the reusing requests needed (measured once, without a same-call "
-    "baseline: not yet a result).",
+    "read (twenty-seventh session). With 0, keep writeback_max_fraction small (e.g. 0.1): "
+    "the blocks waiting for their file stay pinned in the DRAM tier until the reads end, "
+    "and at the default 0.5 they left the H100 run's tier less than one of the documents "
+    "the queued requests reused (read 14.7 GB; docs/results/cpu/dram-policy-sim-s27.md: "
+    "a tier below one document serves almost nothing). Not yet measured against a "
+    "same-call baseline.",
     "disk_admission": "Which stored blocks get a file: 'all' (default: every stored block, "
     "written in the background) or 'reuse' (a block's first store keeps it in the DRAM "
     "tier only; its file is written once a request reads it from there, or when it is "
