@@ -5,6 +5,11 @@
 #
 #   bash scripts/h200_call.sh SECONDS STEP MODEL      (environment as for h200_runs.sh)
 #
+# - SECONDS may be `auto` (with CONFIGS set): PER_CONFIG_S per configuration in CONFIGS,
+#   plus 30 s for the disk probe unless NOPROBE=1. PER_CONFIG_S defaults to 110 on an
+#   H200 and 170 on any other card (the queued mixed workload's configuration, store
+#   phase included, took 80-90 s on the H200 and 130-150 s on an H100 in the
+#   twenty-seventh session; limits below that cut every configuration);
 # - sources the staged runtime (/tmp/rt/env.sh) when it is there;
 # - RES defaults to /tmp/res, which survives between calls while the machine is held:
 #   a longdoc-based step cut short resumes in the next call (--resume skips the
@@ -18,6 +23,19 @@
 set -uo pipefail
 T=${1:?seconds}; STEP=${2:?step}; M=${3:?model}
 [ -f /tmp/rt/env.sh ] && source /tmp/rt/env.sh
+if [ "$T" = auto ]; then
+  [ -n "${CONFIGS:-}" ] || { echo "h200_call: SECONDS=auto needs CONFIGS" >&2; exit 2; }
+  n=$(awk -F, '{print NF}' <<< "$CONFIGS")
+  if [ -z "${PER_CONFIG_S:-}" ]; then
+    case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
+      *H200*) PER_CONFIG_S=110 ;;
+      *) PER_CONFIG_S=170 ;;
+    esac
+  fi
+  probe=30; [ -n "${NOPROBE:-}" ] && probe=0
+  T=$(( n * PER_CONFIG_S + probe ))
+  echo "h200_call: $STEP limit ${T}s ($n configuration(s) x ${PER_CONFIG_S}s)"
+fi
 export RES=${RES:-/tmp/res}
 [ -n "${FRESH:-}" ] && rm -rf "$RES"
 mkdir -p "$RES"

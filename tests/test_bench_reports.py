@@ -908,3 +908,28 @@ def test_h200_call_stops_a_step_past_its_time_and_leaves_nothing(tmp_path):
     listing = subprocess.run(["tar", "tzf", str(tmp_path / "out" / "res.tgz")],
                              capture_output=True, text=True, check=True).stdout.split()
     assert "res/result.json" in listing and "res/call-longdoc.log" in listing
+
+
+def test_h200_call_auto_limit_counts_the_configurations(tmp_path):
+    """``h200_call.sh auto``: the step's limit is PER_CONFIG_S per configuration of
+    CONFIGS (170 s on a card that is not an H200, e.g. none here), plus 30 s for the disk
+    probe unless NOPROBE; without CONFIGS it refuses to guess."""
+    import shutil
+
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    shutil.copy(os.path.join(REPO, "scripts", "h200_call.sh"), scripts / "h200_call.sh")
+    (scripts / "h200_stop.sh").write_text("#!/bin/bash\n")
+    (scripts / "h200_runs.sh").write_text("#!/bin/bash\necho quick\n")
+    env = dict(os.environ, RES=str(tmp_path / "res"), OUT=str(tmp_path / "out"),
+               PATH="/usr/bin:/bin")  # no nvidia-smi
+    for extra, want in (({"CONFIGS": "a,b,c"}, "limit 540s (3 configuration(s) x 170s)"),
+                        ({"CONFIGS": "a", "NOPROBE": "1"}, "limit 170s"),
+                        ({"CONFIGS": "a,b", "PER_CONFIG_S": "50"}, "limit 130s")):
+        p = subprocess.run(["bash", "scripts/h200_call.sh", "auto", "preload", "m"],
+                           cwd=tmp_path, env={**env, **extra}, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 0 and want in p.stdout, (p.stdout, p.stderr)
+    p = subprocess.run(["bash", "scripts/h200_call.sh", "auto", "preload", "m"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "needs CONFIGS" in p.stderr, p.stderr
