@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> dict:
     from vllm.v1.kv_offload.base import ReqContext
 
     from kvcache_core.layout import Namespace
-    from kvcache_core.vllm.manager import PyKVCacheManager
+    from kvcache_core.vllm.manager import PyKVCacheManager, make_offload_key
 
     hpc = 256 // args.gpu_block
     g = SimpleNamespace(group_idx=0, hashes_per_chunk=hpc, tokens_per_chunk=256)
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> dict:
         m = PyKVCacheManager(root, [ns], n_dram=args.dram_chunks,
                              writeback_max_fraction=1.0)
         w = ReqContext("writer")
-        keys = [h + (0).to_bytes(4, "big") for d in docs for h in d[hpc - 1::hpc]]
+        keys = [make_offload_key(h, 0) for d in docs for h in d[hpc - 1::hpc]]
         fill = keys[:args.dram_chunks]
         m.prepare_store(fill, w)
         m.complete_store(fill, w)

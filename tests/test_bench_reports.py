@@ -358,14 +358,14 @@ def test_a_failed_store_phase_skips_its_load_phase(monkeypatch):
     args = SimpleNamespace(_jobs=L._jobs(["native_fs", "kvcache_disk"], "longdoc"),
                            _job_pos=1, no_prespawn=False)
     args._pre = FakeChild(args, "native_fs", "load", 1)
-    L._skip_child(args, "native_fs", "load")
+    L._next_child(args, "native_fs", "load", skip=True)
     assert cancelled == [("native_fs", "load")]
     assert made[-1] == ("kvcache_disk", "store") and args._pre.seq == 2
     assert args._job_pos == 2
     with pytest.raises(RuntimeError, match="not the run's next one"):
-        L._skip_child(args, "native_fs", "load")
+        L._next_child(args, "native_fs", "load", skip=True)
     args._job_pos, args._pre, args.no_prespawn = 3, None, True  # the last job: nothing ahead
-    L._skip_child(args, "kvcache_disk", "load")
+    L._next_child(args, "kvcache_disk", "load", skip=True)
     assert args._pre is None and args._job_pos == 4
 
 

@@ -594,11 +594,6 @@ def _next_child(args, config: str, phase: str, skip: bool = False) -> _Child | N
     return child
 
 
-def _skip_child(args, config: str, phase: str) -> None:
-    """:func:`_next_child` for a job that is not run."""
-    _next_child(args, config, phase, skip=True)
-
-
 def _run_child(args, config: str, phase: str, timeout: float,
                sample: float = 0.0) -> dict | None:
     """Run one engine process; with ``sample`` > 0, sample its process tree that often
@@ -1150,7 +1145,7 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
         elif base in COLD_PROCESS:
             store = _run_child(args, cfg, "store", args.timeout)
             if store is None:  # e.g. vLLM's tiering KeyError: nothing to load
-                _skip_child(args, cfg, "load")
+                _next_child(args, cfg, "load", skip=True)
                 dropped, load = None, None
             else:
                 dropped = drop_caches()

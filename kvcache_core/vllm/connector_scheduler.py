@@ -240,12 +240,11 @@ class SchedulerSide:
         self._sync_lookup: set[str] = set()
         self._sync_jobs: list[int] = []
         self._sync_pending: dict[int, int] = {}
-        #: ``disk_load_hold_s`` (0: off) and the held requests: req id -> monotonic
-        #: deadline of its wait, or -1.0 once the deadline passed (it then loads)
+        #: ``disk_load_hold_s`` (0: off) and the held requests: req id -> (monotonic
+        #: deadline of its wait, or -1.0 once the deadline passed (it then loads); the
+        #: manager's ``load_epoch`` when it was last held)
         self.hold_s: float = opts.disk_load_hold_s
-        self._hold_until: dict[str, float] = {}
-        #: held request -> the manager's ``load_epoch`` when it was last held
-        self._hold_epoch: dict[str, int] = {}
+        self._holds: dict[str, tuple[float, int]] = {}
         self._num_workers: int = int(cs.config.num_workers)
         if self.dram_load_sync:
             self.dram_load_sync = dram_load_sync_supported(cs, opts)
@@ -382,24 +381,23 @@ class SchedulerSide:
         load is in flight (the manager's ``disk_loads_in_flight``; a waiting request has
         none of its own), until ``hold_s`` after its first wait; from then on it loads.
         Scheduler thread."""
-        n = result[0]
-        if (not n or n != found[0] or not self.manager.disk_loads_in_flight
-                or self.manager.lookup_tier() != "disk"):
+        n, m = result[0], self.manager
+        if (not n or n != found[0] or not m.disk_loads_in_flight
+                or m.lookup_tier() != "disk"):
             return False
-        until = self._hold_until.get(rid)
-        if until is None:
-            self._hold_until[rid] = time.monotonic() + self.hold_s
-            self._hold_epoch[rid] = self.manager.load_epoch
-            self.manager.counters["loads_held"] += 1
+        held = self._holds.get(rid)
+        if held is None:
+            self._holds[rid] = (time.monotonic() + self.hold_s, m.load_epoch)
+            m.counters["loads_held"] += 1
             return True
+        until = held[0]
         if until < 0:
             return False
         if time.monotonic() < until:
-            self._hold_epoch[rid] = self.manager.load_epoch
+            self._holds[rid] = (until, m.load_epoch)
             return True
-        self._hold_until[rid] = -1.0
-        self._hold_epoch.pop(rid, None)
-        self.manager.counters["loads_hold_expired"] += 1
+        self._holds[rid] = (-1.0, m.load_epoch)
+        m.counters["loads_hold_expired"] += 1
         return False
 
     def still_held(self, request: Request) -> bool:
@@ -408,13 +406,12 @@ class SchedulerSide:
         disk load ended and no block was staged since: the manager's ``load_epoch``;
         its wait not yet over), so the connector answers "not yet" without a lookup: a
         held request costs no per-chunk work per step. Scheduler thread."""
-        rid = request.request_id
-        until = self._hold_until.get(rid)
-        if until is None or until < 0:
+        held = self._holds.get(request.request_id)
+        if held is None or held[0] < 0:
             return False
         m = self.manager
-        return (m.disk_loads_in_flight > 0 and self._hold_epoch.get(rid) == m.load_epoch
-                and time.monotonic() < until)
+        return (m.disk_loads_in_flight > 0 and held[1] == m.load_epoch
+                and time.monotonic() < held[0])
 
     def gate_lookup(self, request: Request, num_computed_tokens: int,
                     found: tuple[int | None, bool]) -> tuple[int | None, bool]:
@@ -483,9 +480,8 @@ class SchedulerSide:
         """``request`` was scheduled (``update_state_after_alloc``): its gate decision
         is counted, it joins the prefilling requests of the queue-aware estimate, and it
         waits no more (``disk_load_hold_s``)."""
-        if self._hold_until:
-            self._hold_until.pop(request.request_id, None)
-            self._hold_epoch.pop(request.request_id, None)
+        if self._holds:
+            self._holds.pop(request.request_id, None)
         if self.queue_model is not None:
             self._prefilling[request.request_id] = request
         if self._gate_decisions:
@@ -562,8 +558,7 @@ class SchedulerSide:
         self._sync_lookup.discard(request.request_id)
         self._prefilling.pop(request.request_id, None)
         self._gate_decisions.pop(request.request_id, None)
-        self._hold_until.pop(request.request_id, None)
-        self._hold_epoch.pop(request.request_id, None)
+        self._holds.pop(request.request_id, None)
         if self.disk_min_prefix_tokens or self.min_store_prefix_tokens:
             self._short_finished.append(request.request_id)
 

@@ -810,15 +810,15 @@ class PyKVCacheManager(OffloadingManager):
 
     def _finish_load(self, key: OffloadKey, rec: tuple[int, str], failed: bool) -> None:
         slot, how = rec
-        if how != "pin":
-            self.disk_loads_in_flight -= 1
-            self.load_epoch += 1
         if how == "pin":
             assert self.dram is not None
             self.dram.unpin(slot)
             if failed:
                 self._drop(key)
-        elif how == "promote":
+        else:  # read from disk
+            self.disk_loads_in_flight -= 1
+            self.load_epoch += 1
+        if how == "promote":
             assert self.dram is not None
             self._promoting[key] -= 1
             if self._promoting[key] <= 0:

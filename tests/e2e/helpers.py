@@ -167,6 +167,47 @@ def generate_many(llm, prompts: list[list[int]],
     return res
 
 
+#: queued engines (:func:`queued`): one running request, the others wait, which is when
+#: preload helps
+QUEUED_SEQS = 1
+#: ... and device KV blocks (128 tokens each) for ONE 1000-token request, so the others
+#: wait for blocks (not only for a running slot) as long requests do on a full GPU
+QUEUED_GPU_BLOCKS = 10
+
+
+def store_prompts(model_dir: str, root: str, names: list[str]) -> None:
+    """Store the :data:`PROMPTS` ``names`` under ``root``, one at a time, in one engine
+    (default test config: files only)."""
+    llm = make_llm(model_dir, extra_config(root))
+    try:
+        for n in names:
+            generate(llm, PROMPTS[n])
+            drain(llm)
+    finally:
+        shutdown(llm)
+
+
+def queued(model_dir: str, root: str, reference: dict, names: list[str],
+           **extra: Any) -> tuple[dict[str, int], Any, list[dict[str, Any]]]:
+    """Send the :data:`PROMPTS` ``names`` at once to a fresh engine with
+    :data:`QUEUED_SEQS` running slot and room for one request (the others queue),
+    ``extra`` added to the connector config (preload lookahead 4). Checks the outputs
+    against recompute's (``reference``); returns (manager stats, connector, outputs)."""
+    llm = make_llm(model_dir, extra_config(root, preload_lookahead=4, **extra),
+                   max_num_seqs=QUEUED_SEQS, num_gpu_blocks_override=QUEUED_GPU_BLOCKS,
+                   max_model_len=QUEUED_GPU_BLOCKS * 128)
+    try:
+        conn = scheduler_connector(llm)
+        outs = generate_many(llm, [PROMPTS[n] for n in names])
+        drain(llm)
+        s = manager(llm).stats()
+    finally:
+        shutdown(llm)
+    for n, o in zip(names, outs, strict=True):
+        assert same_output(reference[n], o), n
+    return s, conn, outs
+
+
 def scheduler_connector(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
 

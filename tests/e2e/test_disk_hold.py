@@ -12,14 +12,23 @@ import pytest
 from . import helpers as H
 
 
-def _store(model_dir: str, root: str, names: list[str]) -> None:
-    llm = H.make_llm(model_dir, H.extra_config(root))
-    try:
-        for n in names:
-            H.generate(llm, H.PROMPTS[n])
-            H.drain(llm)
-    finally:
-        H.shutdown(llm)
+def _hold_engine(model_dir: str, root: str, hold: float):
+    """A and B stored under ``root``, then a fresh engine with three running slots, a
+    DRAM tier that holds both, no preload and ``disk_load_hold_s=hold``."""
+    H.store_prompts(model_dir, root, ["A", "B"])
+    return H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES,
+                                                preload_lookahead=0, disk_load_hold_s=hold),
+                      max_num_seqs=3)
+
+
+def _check_batched(names: list[str], outs: list[dict], reference: dict) -> None:
+    """Requests run in one batch: vLLM's CPU kernels give logprobs that differ by up to
+    ~0.06 with the batch's shape (tests/e2e/test_preload.py runs one at a time for that
+    reason); tokens must match exactly, and every prefix was loaded whole."""
+    for n, o in zip(names, outs, strict=True):
+        assert o["tokens"] == reference[n]["tokens"], n
+        assert H.same_output(reference[n], o, tol=0.1), n
+        assert o["num_cached_tokens"] == 768, o
 
 
 @pytest.mark.parametrize("hold", [0, 30])
@@ -30,11 +39,7 @@ def test_disk_loads_run_one_request_at_a_time(model_dir, workdir, reference, hol
     other disk load is in flight, the second A waits for the first A's read into the
     DRAM tier (as without the hold) and loads from there: every disk load starts alone,
     each block is read once, and the tokens are recompute's."""
-    root = os.path.join(workdir, f"root_hold_{hold}")
-    _store(model_dir, root, ["A", "B"])
-    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES,
-                                               preload_lookahead=0, disk_load_hold_s=hold),
-                     max_num_seqs=3)
+    llm = _hold_engine(model_dir, os.path.join(workdir, f"root_hold_{hold}"), hold)
     try:
         mgr = H.manager(llm)
         started: list[int] = []  # disk loads in flight when each disk-reading load began
@@ -55,13 +60,7 @@ def test_disk_loads_run_one_request_at_a_time(model_dir, workdir, reference, hol
         assert mgr.disk_loads_in_flight == 0
     finally:
         H.shutdown(llm)
-    # Three requests in one batch: vLLM's CPU kernels give logprobs that differ by up to
-    # ~0.06 with the batch's shape (tests/e2e/test_preload.py runs one at a time for
-    # that reason); tokens must match exactly.
-    for n, o in zip(names, outs, strict=True):
-        assert o["tokens"] == reference[n]["tokens"], n
-        assert H.same_output(reference[n], o, tol=0.1), n
-        assert o["num_cached_tokens"] == 768, o
+    _check_batched(names, outs, reference)
     assert len(started) == 2, started  # A and B each read from disk once
     assert s["chunks_loaded_disk"] == 6 and s["chunks_loaded_dram"] == 3, s
     assert s["load_failures"] == 0, s
@@ -78,11 +77,7 @@ def test_a_wait_ends_at_its_limit(model_dir, workdir, reference):
     one that no load will lower, as a stuck read of some other request would): held
     requests load anyway once ``disk_load_hold_s`` (0.2 s) has passed since their first
     wait, and give recompute's tokens; nothing waits forever."""
-    root = os.path.join(workdir, "root_hold_expiry")
-    _store(model_dir, root, ["A", "B"])
-    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES,
-                                               preload_lookahead=0, disk_load_hold_s=0.2),
-                     max_num_seqs=3)
+    llm = _hold_engine(model_dir, os.path.join(workdir, "root_hold_expiry"), 0.2)
     try:
         mgr = H.manager(llm)
         mgr.disk_loads_in_flight += 1
@@ -91,13 +86,10 @@ def test_a_wait_ends_at_its_limit(model_dir, workdir, reference):
         H.drain(llm)
         s = mgr.stats()
         assert mgr.disk_loads_in_flight == 1
-        assert not H.scheduler_connector(llm)._sched._hold_until
+        assert not H.scheduler_connector(llm)._sched._holds
     finally:
         H.shutdown(llm)
-    for n, o in zip(names, outs, strict=True):
-        assert o["tokens"] == reference[n]["tokens"], n
-        assert H.same_output(reference[n], o, tol=0.1), n
-        assert o["num_cached_tokens"] == 768, o
+    _check_batched(names, outs, reference)
     assert s["loads_held"] == 2 and s["loads_hold_expired"] == 2, s
     assert s["chunks_loaded_disk"] == 6, s
 
@@ -110,21 +102,13 @@ def test_writes_behind_reads_in_a_queued_engine(model_dir, workdir, reference, p
     recompute's tokens, the reusing ones load their whole prefix, and C's files are
     written in the end (the writes wait for the reads, they are not lost)."""
     root = os.path.join(workdir, f"root_wdr_{int(protect)}")
-    _store(model_dir, root, ["A", "B"])
+    H.store_prompts(model_dir, root, ["A", "B"])
     files_before = H.cache_files(root)
-    llm = H.make_llm(model_dir, H.extra_config(
-        root, dram_cache_bytes=8 * H.FILE_BYTES, preload_lookahead=4,
-        write_depth_reading=0, preload_protect=protect),
-        max_num_seqs=1, num_gpu_blocks_override=10, max_model_len=1280)
-    try:
-        names = ["A", "C", "B", "A"]
-        outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
-        H.drain(llm)
-        s = H.manager(llm).stats()
-    finally:
-        H.shutdown(llm)
+    names = ["A", "C", "B", "A"]
+    s, _, outs = H.queued(model_dir, root, reference, names,
+                          dram_cache_bytes=8 * H.FILE_BYTES, write_depth_reading=0,
+                          preload_protect=protect)
     for n, o in zip(names, outs, strict=True):
-        assert H.same_output(reference[n], o), n
         assert o["num_cached_tokens"] == (0 if n == "C" else 768), (n, o)
     new = H.cache_files(root) - files_before
     assert len(new) == 3, (sorted(new), s)  # C's three blocks, written after the reads

@@ -19,10 +19,7 @@ from kvcache_core.patching import check_series, is_patched
 
 from . import helpers as H
 
-MAX_SEQS = 1  # one running request: the others wait, which is when preload helps
-#: device KV blocks (128 tokens each): room for ONE 1000-token request, so the others
-#: wait for blocks (not only for a running slot) as long requests do on a full GPU
-GPU_BLOCKS = 10
+MAX_SEQS, GPU_BLOCKS = H.QUEUED_SEQS, H.QUEUED_GPU_BLOCKS
 
 
 def _vllm_root() -> str:
@@ -71,41 +68,12 @@ def test_hook_gets_the_waiting_requests_in_scheduling_order(model_dir, workdir, 
             assert prios == sorted(prios), cands
 
 
-def _store_all(model_dir, root, prompts):
-    llm = H.make_llm(model_dir, H.extra_config(root))
-    try:
-        for p in prompts:
-            H.generate(llm, p)
-            H.drain(llm)
-    finally:
-        H.shutdown(llm)
-
-
-def _queued(model_dir, root, reference, names, **extra):
-    """Send the prompts ``names`` at once to a fresh engine with one running slot and room
-    for one request (the others queue), ``extra`` added to the connector config (preload
-    lookahead 4). Checks the tokens against recompute; returns (stats, connector)."""
-    llm = H.make_llm(model_dir, H.extra_config(root, preload_lookahead=4, **extra),
-                     max_num_seqs=MAX_SEQS, num_gpu_blocks_override=GPU_BLOCKS,
-                     max_model_len=GPU_BLOCKS * 128)
-    try:
-        conn = H.scheduler_connector(llm)
-        outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
-        H.drain(llm)
-        s = H.manager(llm).stats()
-    finally:
-        H.shutdown(llm)
-    for n, o in zip(names, outs, strict=True):
-        assert H.same_output(reference[n], o), n
-    return s, conn
-
-
 def _queued_rerun(model_dir, root, reference, **extra):
     """Store documents A, B, C (one engine), then send all three at once to a fresh
-    engine (:func:`_queued`)."""
+    engine (:func:`helpers.queued`)."""
     names = ["A", "B", "C"]
-    _store_all(model_dir, root, [H.PROMPTS[n] for n in names])
-    return _queued(model_dir, root, reference, names, **extra)
+    H.store_prompts(model_dir, root, names)
+    return H.queued(model_dir, root, reference, names, **extra)[:2]
 
 
 @pytest.mark.parametrize("depth", [1, 3])
@@ -240,10 +208,10 @@ def test_preload_protect_stays_on_when_the_table_turns_preloads_off(model_dir, w
     with ``preload_protect`` the patched scheduler's per-step call stays (lookahead > 0)
     and only orders the DRAM tier: nothing is read ahead or from disk, the queued repeat
     of A finds A's blocks in the tier, and the tokens are recompute's."""
-    s, conn = _queued(model_dir, os.path.join(workdir, "root_protect_gate"), reference,
-                      ["A", "B", "A"], dram_cache_bytes=8 * H.FILE_BYTES,
-                      preload_protect=True,
-                      breakeven_table=_queue_table(tmp_path, model_dir, 5.0))
+    s, conn, _ = H.queued(model_dir, os.path.join(workdir, "root_protect_gate"),
+                          reference, ["A", "B", "A"], dram_cache_bytes=8 * H.FILE_BYTES,
+                          preload_protect=True,
+                          breakeven_table=_queue_table(tmp_path, model_dir, 5.0))
     assert conn.preload_lookahead == 4 and not conn._sched._plan_disk
     assert not conn._sched.manager.disk_stores
     assert s["preloads_planned"] == 0 and s["bytes_read"] == 0, s
