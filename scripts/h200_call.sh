@@ -19,7 +19,9 @@
 #   engine process groups (SIGTERM handler), then whatever still holds GPU memory is
 #   killed (`timeout` alone would end only the shell, and an orphaned engine core keeps
 #   its GPU memory: the next engine fails to start);
-# - the step's log goes to $RES/call-STEP.log; $RES is archived as $OUT/res.tgz.
+# - the step's log goes to $RES/call-STEP$SUFFIX.log (SUFFIX as for h200_runs.sh, so that
+#   two steps in one call, or calls of one lease, keep their own logs); $RES is archived
+#   as $OUT/res.tgz.
 set -uo pipefail
 T=${1:?seconds}; STEP=${2:?step}; M=${3:?model}
 [ -f /tmp/rt/env.sh ] && source /tmp/rt/env.sh
@@ -40,21 +42,22 @@ export RES=${RES:-/tmp/res}
 [ -n "${FRESH:-}" ] && rm -rf "$RES"
 mkdir -p "$RES"
 OUT=${OUT:-$RES/out}
+LOG="$RES/call-$STEP${SUFFIX:-}.log"
 # its own process group, so that whatever of it is left can be killed as a whole
-setsid bash scripts/h200_runs.sh "$STEP" "$M" > "$RES/call-$STEP.log" 2>&1 &
+setsid bash scripts/h200_runs.sh "$STEP" "$M" > "$LOG" 2>&1 &
 pid=$!
 end=$(( SECONDS + T ))
 while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 1; done
 if kill -0 "$pid" 2>/dev/null; then
-  echo "h200_call: $STEP still running after ${T}s: stopping it" | tee -a "$RES/call-$STEP.log"
-  bash scripts/h200_stop.sh >> "$RES/call-$STEP.log" 2>&1
+  echo "h200_call: $STEP still running after ${T}s: stopping it" | tee -a "$LOG"
+  bash scripts/h200_stop.sh >> "$LOG" 2>&1
   kill -TERM -- "-$pid" 2>/dev/null
   sleep 2
   kill -KILL -- "-$pid" 2>/dev/null
 fi
 wait "$pid"; rc=$?
-bash scripts/h200_stop.sh >> "$RES/call-$STEP.log" 2>&1
-echo "h200_call: $STEP rc=$rc" | tee -a "$RES/call-$STEP.log"
+bash scripts/h200_stop.sh >> "$LOG" 2>&1
+echo "h200_call: $STEP rc=$rc" | tee -a "$LOG"
 mkdir -p "$OUT"
 tar czf "$OUT/res.tgz" --exclude=out -C "$(dirname "$RES")" "$(basename "$RES")"
 exit 0

@@ -47,6 +47,11 @@ B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$RO
 KVX=()  # the same keys for the server-based steps (sharegpt, replay)
 for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); KVX+=(--kv-extra "$kv"); done
 if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
+# STORE_DRAIN=S: py-kvcache's store phase puts every stored block on disk (writeback_flush
+# in that phase, then up to S seconds per storing request for the write-back to drain),
+# so the load phase starts with the whole workload on disk as native_fs's does (without
+# it, blocks past writeback_max_fraction keep no file and the load phase recomputes them)
+if [ -n "${STORE_DRAIN:-}" ]; then B+=(--store-drain "$STORE_DRAIN"); fi
 # SMALLDOCS=N: documents per engine at sizes below 16k (default 8; more of them narrow a
 # per-engine median at 1k, where one request's spread is the size of the effect)
 if [ -n "${SMALLDOCS:-}" ]; then B+=(--small-docs "$SMALLDOCS"); fi

@@ -913,7 +913,8 @@ def test_h200_call_stops_a_step_past_its_time_and_leaves_nothing(tmp_path):
 def test_h200_call_auto_limit_counts_the_configurations(tmp_path):
     """``h200_call.sh auto``: the step's limit is PER_CONFIG_S per configuration of
     CONFIGS (170 s on a card that is not an H200, e.g. none here), plus 30 s for the disk
-    probe unless NOPROBE; without CONFIGS it refuses to guess."""
+    probe unless NOPROBE; without CONFIGS it refuses to guess. Each SUFFIX has its own
+    log (the twenty-eighth session lost the first step's log of every two-step call)."""
     import shutil
 
     scripts = tmp_path / "scripts"
@@ -933,3 +934,40 @@ def test_h200_call_auto_limit_counts_the_configurations(tmp_path):
     p = subprocess.run(["bash", "scripts/h200_call.sh", "auto", "preload", "m"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "needs CONFIGS" in p.stderr, p.stderr
+    # two steps of one call with their own SUFFIX keep their own logs
+    for suffix in ("-a", "-b"):
+        subprocess.run(["bash", "scripts/h200_call.sh", "5", "preload", "m"], cwd=tmp_path,
+                       env={**env, "SUFFIX": suffix}, capture_output=True, text=True,
+                       timeout=60, check=True)
+    for suffix in ("-a", "-b"):
+        assert "quick" in (tmp_path / "res" / f"call-preload{suffix}.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_store_drain_puts_the_whole_workload_on_disk_cpu(tmp_path):
+    """``longdoc --store-drain`` (``STORE_DRAIN`` of the H200 steps) on real vLLM (CPU
+    platform, tiny Llama): with a write-back share that keeps almost every stored block
+    without a file in serving (writeback_max_fraction=0.1 of a 5-slot DRAM tier), the
+    store phase still leaves every block of both documents on disk (writeback_flush in
+    that phase, then waiting for the write-back after each request), so the load phase
+    starts from the same disk contents as native_fs's; the wait is reported per request
+    and nothing is left unwritten."""
+    pytest.importorskip("vllm")
+    p, out, _pre = _longdoc_cpu(
+        tmp_path, "mixed", "--workload", "mixed", "--tokens", "1024", "--docs", "2",
+        "--repeats", "2", "--fresh-frac", "0.25", "--concurrency", "4",
+        "--gpu-blocks", "160", "--configs", "kvcache_nopreload", "--store-drain", "60",
+        "--kv-extra", "writeback_max_fraction=0.1")
+    assert p.returncode == 0, p.stderr[-4000:]
+    (r,) = json.load(open(out))["results"]
+    assert "error" not in r, r
+    assert len(r["store_drain_s"]) == 2 and all(0 <= t < 60 for t in r["store_drain_s"])
+    assert r["store_unwritten_after_drain"] == 0, r
+    sc = r["store_counters"]
+    # 2 documents x 4 blocks of 256 tokens: every one has its file
+    assert sc["stores"] >= 8 and sc["bytes_written"] >= 8 * 256 * (r["kv_bytes"] // r["tokens"]), sc
+    # the load phase read both documents' first turns from disk
+    assert r["disk_read_bytes"] >= 8 * 256 * (r["kv_bytes"] // r["tokens"]), r
+    assert "write-back not drained" not in p.stderr

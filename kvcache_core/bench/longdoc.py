@@ -235,6 +235,10 @@ def transfer_config(cfg: str, args, doc_bytes: int) -> dict | None:
                  "preload_lookahead": 0 if cfg == "kvcache_nopreload"
                  else args.preload_lookahead}
         extra.update(getattr(args, "kv_extra", None) or {})
+        if getattr(args, "store_drain", 0) and getattr(args, "phase", "") == "store":
+            # --store-drain: the store phase puts every stored block on disk (blocks
+            # past the write-back's share get their file later instead of none)
+            extra["writeback_flush"] = True
         if cfg in GATE_OF:
             extra["breakeven_table"] = args.gate_table_path
         if cfg == "kvcache_gate_queue":
@@ -279,6 +283,34 @@ async def _stats_snapshot(engine, rid: str) -> dict:
     await _ttft(engine, docs_for(16, 1, 4242)[0], rid)
     d = read_stats_file(path, since=t0)
     return {k: d.get(k, 0) for k in STORE_COUNTERS} if d else {}
+
+
+async def _drain_writes(engine, args, rid: str) -> tuple[float, int]:
+    """``--store-drain``: after a storing request, wait (up to ``args.store_drain``
+    seconds) until py-kvcache has nothing left to write: no store job in flight, no
+    DRAM-tier slot pinned by its write-back, no block without its file (the store phase
+    runs with writeback_flush, see :func:`transfer_config`). Polls the scheduler's stats
+    with tiny requests (:func:`_stats_snapshot`'s way). Returns (seconds waited, blocks
+    still without a file); not a py-kvcache configuration (no stats file): (0, 0)."""
+    path = os.environ.get("KVCACHE_STATS_FILE")
+    if not path or not args.config.startswith("kvcache"):
+        return 0.0, 0
+    t0 = time.perf_counter()
+    n = 0
+    while True:
+        ts = time.time()
+        await _ttft(engine, docs_for(16, 1, 4242)[0], f"{rid}-{n}")
+        n += 1
+        st = read_stats_file(path, since=ts)
+        left = st.get("dram_unwritten", 0)
+        if st and not (st.get("stores_in_flight", 0) or st.get("dram_writeback_pinned", 0)
+                       or left):
+            return time.perf_counter() - t0, 0
+        if time.perf_counter() - t0 >= args.store_drain:
+            log(f"{args.config}/store: write-back not drained after {args.store_drain:.0f}s "
+                f"({left} blocks without a file)")
+            return time.perf_counter() - t0, int(left)
+        await asyncio.sleep(0.25)
 
 
 def _store_counter_deltas(rows: list[dict]) -> list[dict | None]:
@@ -340,10 +372,15 @@ async def _worker(args) -> dict:
                     "turns")
                 continue
             if args.phase in ("store", "both"):
-                cold = []
+                cold, drains = [], []
                 for i, doc in enumerate(docs):
                     cold.append(await _ttft(engine, doc, f"s{d}-{i}"))
+                    if args.store_drain:
+                        drains.append(await _drain_writes(engine, args, f"dr{d}-{i}"))
                 row["ttft_cold_all"] = cold
+                if args.store_drain:
+                    row["store_drain_s"] = [t for t, _ in drains]
+                    row["store_unwritten_after_drain"] = drains[-1][1] if drains else 0
                 await asyncio.sleep(args.settle)  # deferred stores finish
                 row["stats_after_store"] = await _stats_snapshot(engine, f"tick{d}")
             if args.phase in ("load", "both"):
@@ -452,7 +489,8 @@ class _Child:
                "--gpu-blocks", str(args.gpu_blocks), "--preload-lookahead",
                str(args.preload_lookahead), "--workload", args.workload,
                "--question-tokens", str(args.question_tokens), "--hit-suffix-tokens",
-               str(args.hit_suffix_tokens), "--go", self.go]
+               str(args.hit_suffix_tokens), "--store-drain", str(args.store_drain),
+               "--go", self.go]
         for k, v in list(args.kv_extra) + variant_keys(args, config):
             cmd += ["--kv-extra", f"{k}={json.dumps(v)}"]
         env = dict(os.environ, PYTHONHASHSEED="0",
@@ -792,6 +830,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "so that requests queue, as on a loaded server; 0 = vLLM's own sizing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settle", type=float, default=2.0, help=argparse.SUPPRESS)
+    ap.add_argument("--store-drain", type=float, default=0.0, metavar="S",
+                    help="py-kvcache configurations: the store phase writes every stored "
+                    "block to disk (writeback_flush on in that phase only) and, after each "
+                    "storing request, waits up to S seconds until nothing is left to write, "
+                    "so that the load phase starts with the whole workload on disk, as "
+                    "native_fs's does; 0 (default): stores as in serving, blocks past "
+                    "writeback_max_fraction keep no file")
     ap.add_argument("--timeout", type=float, default=900, help="per engine process, seconds")
     ap.add_argument("--machine", default=None, help="machine name for the JSON")
     ap.add_argument("--no-probe", action="store_true",
@@ -1187,6 +1232,9 @@ def _run_configs(args, schedule: list[tuple[str, int]], results: list[dict], dis
                 row["base"] = base
             if args.rounds > 1:
                 row["round"] = rnd
+            if "store_drain_s" in srow:  # --store-drain: how long the write-back took
+                row["store_drain_s"] = srow["store_drain_s"]
+                row["store_unwritten_after_drain"] = srow["store_unwritten_after_drain"]
             reqs = load.get("req_log") or []
             if load.get("samples") and reqs and len(load["rows"]) == 1:
                 # every config alike, while the load phase's requests were in flight (not

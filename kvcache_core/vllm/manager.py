@@ -173,6 +173,9 @@ MANAGER_GAUGES: dict[str, str] = {
     "dram_slots": "DRAM-tier slots per worker (dram_cache_bytes / file size).",
     "dram_cached": "DRAM-tier slots holding a block.",
     "dram_writeback_pinned": "DRAM-tier slots pinned until their file is written.",
+    "dram_unwritten": "DRAM-tier blocks that have no file because the write-back was "
+    "full when they were stored: written later with writeback_flush, otherwise lost to the "
+    "cache when evicted or when the engine stops.",
     "stores_in_flight": "Chunks whose store job is not complete yet.",
     "disk_bytes": "Bytes of the published files of this engine's namespaces (the ledger "
     "shared by every process using them, as last seen by the workers, summed over ranks).",
@@ -1181,6 +1184,7 @@ class PyKVCacheManager(OffloadingManager):
         return {"healthy": int(self.healthy), "dram_slots": self.n_dram,
                 "dram_cached": self.dram.cached if self.dram is not None else 0,
                 "dram_writeback_pinned": len(self._wb_pinned),
+                "dram_unwritten": len(self._dirty),
                 "stores_in_flight": len(self._storing),
                 "loads_in_flight": len(self._loading) + sum(
                     len(held) for _rid, held in self._held.values()),

@@ -124,9 +124,11 @@ def test_manager_flushes_dram_only_blocks_when_the_writeback_has_room(tmp_path,
     off.complete_store(ks, w)
     off.on_worker_report(set(), {}, None, {ks[0]: 1, ks[1]: 1})
     assert off.take_flush_plan() == []  # writeback_flush off (the default): never
+    assert off.stats()["dram_unwritten"] == 2  # and they stay without a file
     spec = m.prepare_store(ks, w).store_spec
     assert spec.dram_only == [False, False, True, True]
     m.complete_store(ks, w)
+    assert m.stats()["dram_unwritten"] == 2  # ks[2], ks[3]: in the tier, no file yet
     assert m.take_flush_plan() == []  # write-back still full (ks[0], ks[1] pinned)
     m.on_worker_report(set(), {}, None, {ks[0]: 1, ks[1]: 1})
     plan = m.take_flush_plan()
@@ -134,7 +136,7 @@ def test_manager_flushes_dram_only_blocks_when_the_writeback_has_room(tmp_path,
     assert m.stats()["dram_writeback_pinned"] == 2 and m.stats()["flushes_planned"] == 2
     assert m.take_flush_plan() == []  # planned once
     m.on_worker_report(set(), {}, None, {ks[2]: 1, ks[3]: 1})
-    assert m.stats()["dram_writeback_pinned"] == 0
+    assert m.stats()["dram_writeback_pinned"] == 0 and m.stats()["dram_unwritten"] == 0
     m.dram.check()
 
     # evicted before its flush: lost to the cache, counted, never planned

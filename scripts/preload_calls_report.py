@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Report of a queued-workload A/B spread over several device calls: each call ran some
+variants of the `preload` step (`SUFFIX=-<variant>[-rN]`, one results file each), and
+only numbers of one call compare (the disk moves from call to call).
+
+For every call: the rows of each variant in the order they ran, each kvcache row's mean
+TTFT as a ratio to the same call's reference configuration (native_fs) and to the same
+configuration of the base variant in that call. Over the calls: per (variant, config)
+the median mean TTFT, and the medians of those within-call ratios, with how many calls
+gave each. Writes OUT.json, OUT.md and OUT.png (mean TTFT per call and row).
+
+Usage: python scripts/preload_calls_report.py --dir RES --model llama-3.2-3b
+         --call c4=wdrp,base --call c5=base-r2,wdrp-r2 ... --base base --json OUT.json
+RES holds preload-<model>-<suffix>.json (what `scripts/h200_runs.sh preload` writes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics as st
+
+FIELDS = ("mean_ttft_s", "mean_ttft_reuse_s", "mean_ttft_noreuse_s", "wall_s",
+          "disk_read_bytes", "disk_reads_repeat")
+
+
+def variant_of(suffix: str) -> str:
+    """``wdrp-r3`` -> ``wdrp`` (the round marker is not part of the variant)."""
+    return re.sub(r"-r\d+$", "", suffix)
+
+
+def collect(res_dir: str, model: str, calls: list[tuple[str, list[str]]]) -> list[dict]:
+    """One row per (call, suffix, config) in run order; a missing file is an error."""
+    rows = []
+    for call, suffixes in calls:
+        for suffix in suffixes:
+            path = os.path.join(res_dir, f"preload-{model}-{suffix}.json")
+            if not os.path.exists(path):
+                raise SystemExit(f"preload_calls_report: {path} not found (call {call})")
+            with open(path) as fh:
+                d = json.load(fh)
+            for r in d["results"]:
+                row = {"call": call, "suffix": suffix, "variant": variant_of(suffix),
+                       "config": r["config"], "disk_read_gbps": d.get("disk_read_gbps")}
+                row.update({k: r.get(k) for k in FIELDS})
+                rows.append(row)
+    return rows
+
+
+def add_ratios(rows: list[dict], ref: str, base: str) -> None:
+    """Within each call: ``vs_ref`` = mean / ref config's mean, ``vs_base`` = mean /
+    the base variant's mean for the same config (both None where the call lacks them)."""
+    for row in rows:
+        same = [r for r in rows if r["call"] == row["call"]]
+        refs = [r["mean_ttft_s"] for r in same if r["config"] == ref]
+        bases = [r for r in same if r["variant"] == base and r["config"] == row["config"]]
+        row["vs_ref"] = (row["mean_ttft_s"] / refs[0]
+                         if refs and row["config"] != ref else None)
+        row["vs_base"] = (row["mean_ttft_s"] / bases[0]["mean_ttft_s"]
+                          if bases and row["variant"] != base else None)
+        reuse_b = bases[0]["mean_ttft_reuse_s"] if bases else None
+        row["reuse_vs_base"] = (row["mean_ttft_reuse_s"] / reuse_b
+                                if reuse_b and row["variant"] != base else None)
+
+
+def summarize(rows: list[dict], ref: str) -> list[dict]:
+    """Per (variant, config): medians over the calls."""
+    out = []
+    keys = []
+    for r in rows:
+        k = (r["variant"], r["config"])
+        if k not in keys:
+            keys.append(k)
+    for variant, config in keys:
+        rs = [r for r in rows if r["variant"] == variant and r["config"] == config]
+        if config == ref:
+            variant = "-"
+            if any(o["config"] == ref for o in out):
+                continue
+            rs = [r for r in rows if r["config"] == ref]
+
+        def med(field: str, rs: list[dict] = rs) -> tuple[float | None, int]:
+            vals = [r[field] for r in rs if r.get(field) is not None]
+            return (st.median(vals) if vals else None, len(vals))
+
+        row = {"variant": variant, "config": config, "n_calls": len(rs)}
+        for f in ("mean_ttft_s", "mean_ttft_reuse_s", "mean_ttft_noreuse_s",
+                  "disk_read_bytes", "vs_ref", "vs_base", "reuse_vs_base"):
+            row[f"median_{f}"], row[f"n_{f}"] = med(f)
+        out.append(row)
+    return out
+
+
+def fmt(v: float | None, nd: int = 3) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def write_md(path: str, doc: dict) -> None:
+    ref, base = doc["ref"], doc["base"]
+    lines = [f"# {doc['title']}", "", doc.get("note", ""), "",
+             "## Per call (rows in run order)", "",
+             f"| call | variant | config | mean TTFT | reusing | no-reuse | disk read (GB) "
+             f"| repeat reads | vs {ref} | vs {base} (same config) | probe GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        rd = r["disk_read_bytes"]
+        gbps = r["disk_read_gbps"]
+        gbps = None if gbps is None or math.isnan(gbps) else gbps  # probe: first only
+        lines.append(
+            f"| {r['call']} | {r['variant'] if r['config'] != ref else '-'} | {r['config']} "
+            f"| {fmt(r['mean_ttft_s'])} | {fmt(r['mean_ttft_reuse_s'])} "
+            f"| {fmt(r['mean_ttft_noreuse_s'])} | {fmt(rd / 1e9 if rd else None, 1)} "
+            f"| {r['disk_reads_repeat'] if r['disk_reads_repeat'] is not None else '-'} "
+            f"| {fmt(r['vs_ref'])} | {fmt(r['vs_base'])} "
+            f"| {fmt(gbps, 2)} |")
+    lines += ["", "## Over the calls (medians; n = calls with that number)", "",
+              f"| variant | config | mean TTFT | reusing | no-reuse | disk read (GB) "
+              f"| vs {ref} (n) | vs {base} (n) | reusing vs {base} (n) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for s in doc["summary"]:
+        rd = s["median_disk_read_bytes"]
+        lines.append(
+            f"| {s['variant']} | {s['config']} | {fmt(s['median_mean_ttft_s'])} "
+            f"| {fmt(s['median_mean_ttft_reuse_s'])} | {fmt(s['median_mean_ttft_noreuse_s'])} "
+            f"| {fmt(rd / 1e9 if rd else None, 1)} "
+            f"| {fmt(s['median_vs_ref'])} ({s['n_vs_ref']}) "
+            f"| {fmt(s['median_vs_base'])} ({s['n_vs_base']}) "
+            f"| {fmt(s['median_reuse_vs_base'])} ({s['n_reuse_vs_base']}) |")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def write_png(path: str, doc: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["rows"]
+    labels = sorted({(r["variant"] if r["config"] != doc["ref"] else "-", r["config"])
+                     for r in rows})
+    calls = list(dict.fromkeys(r["call"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(calls)), 4))
+    width = 0.8 / max(1, len(labels))
+    for i, lab in enumerate(labels):
+        xs, ys = [], []
+        for j, c in enumerate(calls):
+            for r in rows:
+                if r["call"] == c and (r["variant"] if r["config"] != doc["ref"] else "-",
+                                       r["config"]) == lab:
+                    xs.append(j + i * width)
+                    ys.append(r["mean_ttft_s"])
+        ax.bar(xs, ys, width, label=f"{lab[1]} ({lab[0]})" if lab[0] != "-" else lab[1])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(calls))], calls)
+    ax.set_ylabel("mean TTFT (s)")
+    ax.set_title(doc["title"], fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", required=True, help="folder with preload-<model>-<suffix>.json")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--call", action="append", required=True,
+                    help="NAME=SUFFIX[,SUFFIX...]: one device call's results in run order")
+    ap.add_argument("--ref", default="native_fs", help="reference configuration")
+    ap.add_argument("--base", default="base", help="variant the others are compared to")
+    ap.add_argument("--json", required=True, help="OUT.json (OUT.md and OUT.png beside it)")
+    ap.add_argument("--machine", default="GPU machine")
+    ap.add_argument("--note", default="")
+    a = ap.parse_args()
+    calls = []
+    for c in a.call:
+        name, sep, rest = c.partition("=")
+        if not sep or not rest:
+            ap.error(f"--call {c!r}: want NAME=SUFFIX[,SUFFIX...]")
+        calls.append((name, rest.split(",")))
+    rows = collect(a.dir, a.model, calls)
+    add_ratios(rows, a.ref, a.base)
+    doc = {"title": f"Queued preload A/B over {len(calls)} calls: {a.model}, {a.machine}",
+           "model": a.model, "machine": a.machine, "ref": a.ref, "base": a.base,
+           "note": a.note, "calls": [{"call": n, "suffixes": s} for n, s in calls],
+           "rows": rows, "summary": summarize(rows, a.ref)}
+    stem = a.json[:-5] if a.json.endswith(".json") else a.json
+    with open(stem + ".json", "w") as fh:
+        json.dump(doc, fh, indent=1)
+    write_md(stem + ".md", doc)
+    write_png(stem + ".png", doc)
+    print(open(stem + ".md").read())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
