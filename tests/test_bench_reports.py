@@ -971,3 +971,43 @@ def test_store_drain_puts_the_whole_workload_on_disk_cpu(tmp_path):
     # the load phase read both documents' first turns from disk
     assert r["disk_read_bytes"] >= 8 * 256 * (r["kv_bytes"] // r["tokens"]), r
     assert "write-back not drained" not in p.stderr
+
+
+def test_preload_calls_report_compares_only_within_a_call(tmp_path):
+    """``scripts/preload_calls_report.py``: each kvcache row is compared with native_fs
+    and with the base variant of its own call only (a call without them gives no ratio),
+    the medians over the calls count the calls that gave each ratio, the round marker is
+    not part of a variant, and a missing results file is an error that names it."""
+    def res(suffix, rows):
+        (tmp_path / f"preload-m-{suffix}.json").write_text(json.dumps(
+            {"disk_read_gbps": 1.5, "results": [
+                {"config": c, "mean_ttft_s": t, "mean_ttft_reuse_s": t + 1,
+                 "mean_ttft_noreuse_s": t - 1, "disk_read_bytes": 1e9} for c, t in rows]}))
+    res("a", [("kvcache_preload", 6.0), ("native_fs", 10.0)])
+    res("base", [("kvcache_preload", 8.0)])
+    res("base-r2", [("native_fs", 5.0), ("kvcache_preload", 4.0)])
+    res("a-r2", [("kvcache_preload", 2.0)])
+    res("a-r3", [("kvcache_nopreload", 3.0)])
+    script = os.path.join(REPO, "scripts", "preload_calls_report.py")
+    out = tmp_path / "ab.json"
+    p = subprocess.run([sys.executable, script, "--dir", str(tmp_path), "--model", "m",
+                        "--call", "c1=a,base", "--call", "c2=base-r2,a-r2",
+                        "--call", "c3=a-r3", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    doc = json.load(open(out))
+    rows = {(r["call"], r["suffix"], r["config"]): r for r in doc["rows"]}
+    assert rows[("c1", "a", "kvcache_preload")]["vs_ref"] == pytest.approx(0.6)
+    assert rows[("c1", "a", "kvcache_preload")]["vs_base"] == pytest.approx(0.75)
+    assert rows[("c2", "a-r2", "kvcache_preload")]["vs_base"] == pytest.approx(0.5)
+    assert rows[("c3", "a-r3", "kvcache_nopreload")]["vs_ref"] is None  # no native_fs there
+    summ = {(s["variant"], s["config"]): s for s in doc["summary"]}
+    a = summ[("a", "kvcache_preload")]
+    assert a["n_calls"] == 2 and a["median_vs_base"] == pytest.approx(0.625)
+    assert a["median_vs_ref"] == pytest.approx((0.6 + 0.4) / 2) and a["n_vs_ref"] == 2
+    assert summ[("-", "native_fs")]["median_mean_ttft_s"] == pytest.approx(7.5)
+    assert (tmp_path / "ab.md").exists() and (tmp_path / "ab.png").stat().st_size > 0
+    p = subprocess.run([sys.executable, script, "--dir", str(tmp_path), "--model", "m",
+                        "--call", "c1=nope", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "preload-m-nope.json not found" in p.stderr
