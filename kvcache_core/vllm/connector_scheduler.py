@@ -89,14 +89,16 @@ def load_gate(path: str, vllm_config: VllmConfig) -> Gate | None:
     return Gate(table)
 
 
-def _queue_model(gate: Gate, path: str) -> QueueModel | None:
-    """The queue model of the gate's table, or None (one warning) if the table lacks the
-    recompute times or the disk bandwidth it needs."""
+def _queue_model(gate: Gate, path: str, key: str = "queue_aware_preload"
+                 ) -> QueueModel | None:
+    """The queue model of the gate's table, or None (one warning naming the option
+    ``key`` that is then off) if the table lacks the recompute times or the disk
+    bandwidth it needs."""
     try:
         return QueueModel(gate.table)
     except ValueError as e:
-        log.warning("py-kvcache: queue_aware_preload is off: %s (%s); run `kvcache "
-                    "calibrate`", e, path)
+        log.warning("py-kvcache: %s is off: %s (%s); run `kvcache calibrate`", key, e,
+                    path)
         return None
 
 
@@ -222,6 +224,8 @@ class SchedulerSide:
         self.gate: Gate | None = None
         #: queue-aware preload (breakeven.QueueModel), None when off
         self.queue_model: QueueModel | None = None
+        #: ``disk_backlog_gate``: the table's recompute times and disk bandwidth
+        self.backlog_model: QueueModel | None = None
         #: queue-aware preload: scheduled requests still in prefill (req id -> request)
         self._prefilling: dict[str, Request] = {}
         #: the gate's last decision per waiting request, counted once it is scheduled
@@ -291,6 +295,12 @@ class SchedulerSide:
         if gate is None:
             return
         self.manager.extra_counters = gate.counters  # reported with the stats
+        if opts.disk_backlog_gate and not gate.never("disk"):
+            self.backlog_model = _queue_model(gate, path, "disk_backlog_gate")
+            if self.backlog_model is not None:
+                gate.counters.update(gate_accepted_backlog=0, gate_refused_backlog=0)
+                log.info("py-kvcache: disk backlog gate on: a disk prefix is read only "
+                         "while the reads in flight leave it faster than recompute")
         if opts.queue_aware_preload and self.preload_lookahead == 0:
             log.warning("py-kvcache: queue_aware_preload needs preload_lookahead > 0 "
                         "(it decides which waiting requests to preload): off")
@@ -425,9 +435,15 @@ class SchedulerSide:
             return found
         manager, rid = self.manager, request.request_id
         tier = manager.lookup_tier()
+        refused: tuple[str, bool] = (tier, False)
         if gate.passes(tier, num_computed_tokens + n):
-            self._gate_decisions[rid] = ((tier, True),)
-            return found
+            if tier != "disk" or self.backlog_model is None:
+                self._gate_decisions[rid] = ((tier, True),)
+                return found
+            if not self._disk_backlogged(num_computed_tokens, n):
+                self._gate_decisions[rid] = ((tier, True), ("backlog", True))
+                return found
+            refused = ("backlog", False)
         # Refused because part of the prefix must come from disk: the leading chunks that
         # are in the DRAM tier or staged by a preload may still be worth loading alone.
         fast, fast_tier = manager.lookup_fast_chunks()
@@ -436,10 +452,31 @@ class SchedulerSide:
             tpc = groups[0].tokens_per_chunk
             m = tpc * (num_computed_tokens // tpc + fast) - num_computed_tokens
             if 0 < m < n and gate.passes(fast_tier, num_computed_tokens + m):
-                self._gate_decisions[rid] = ((tier, False), (fast_tier, True))
+                self._gate_decisions[rid] = (refused, (fast_tier, True))
                 return m, True
-        self._gate_decisions[rid] = ((tier, False),)
+        self._gate_decisions[rid] = (refused,)
         return 0, False
+
+    def _disk_backlogged(self, num_computed_tokens: int, n: int) -> bool:
+        """``disk_backlog_gate``: whether the disk part of a prefix of ``n`` tokens after
+        ``num_computed_tokens`` (the last lookup's: :meth:`PyKVCacheManager.lookup_disk_chunks`
+        chunks from disk, its leading ``lookup_fast_chunks`` in host memory) would arrive
+        later than the GPU recomputes it: the disk loads in flight (every request's, one
+        chunk each, ``disk_loads_in_flight``) plus its own, at the table's disk bandwidth,
+        against the table's recompute time of the tokens after the leading host-memory
+        chunks. Scheduler thread; arithmetic only."""
+        model, manager = self.backlog_model, self.manager
+        assert model is not None
+        backlog = manager.disk_loads_in_flight
+        if not backlog:
+            return False  # the disk is free: the static gate already decided
+        kb = manager.key_bytes
+        read_s = model.read_s((backlog + manager.lookup_disk_chunks()) * kb)
+        tpc = self._single_tpc or self.group_configs[0].tokens_per_chunk
+        fast = manager.lookup_fast_chunks()[0]
+        start = min(num_computed_tokens + n, tpc * (num_computed_tokens // tpc + fast))
+        end = num_computed_tokens + n
+        return read_s > model.recompute_s(end) - model.recompute_s(start)
 
     # ------------------------------------------------------------------ preload (R8)
     def on_preload_candidates(self, requests: list[Request]) -> None:

@@ -401,6 +401,7 @@ class PyKVCacheManager(OffloadingManager):
         #: per-counter delta loop)
         self._stats_sig: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._lookup_disk = False
+        self._lookup_disk_n = 0
         #: counters owned by others (the connector's break-even gate), reported in stats()
         self.extra_counters: dict[str, int] = {}
         #: False when the break-even table says the disk tier never beats recompute (set
@@ -529,8 +530,14 @@ class PyKVCacheManager(OffloadingManager):
     def begin_lookup(self) -> None:
         """The connector starts one request's lookups (break-even gate bookkeeping)."""
         self._lookup_disk = False
+        self._lookup_disk_n = 0
         self._lookup_fast = 0
         self._lookup_fast_staged = False
+
+    def lookup_disk_chunks(self) -> int:
+        """Hit chunks since :meth:`begin_lookup` that must come from disk (neither in the
+        DRAM tier nor staged): what the request would add to the disk's reads."""
+        return self._lookup_disk_n
 
     def lookup_fast_chunks(self) -> tuple[int, str]:
         """(hit chunks since :meth:`begin_lookup` before the first one that must come from
@@ -721,6 +728,7 @@ class PyKVCacheManager(OffloadingManager):
                 return LookupResult.HIT
             self.counters["hits_disk"] += 1
             self._lookup_disk = True
+            self._lookup_disk_n += 1
             return LookupResult.HIT
         self.counters["misses"] += 1
         return LookupResult.MISS

@@ -55,7 +55,7 @@ GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookah
                                "preload_max_blocks", "breakeven_table", "queue_aware_preload",
                                "disk_min_prefix_tokens", "min_store_prefix_tokens",
                                "disk_lookup_cache_s", "dram_load_sync", "gpu_kv_layout",
-                               "preload_protect", "disk_load_hold_s")
+                               "preload_protect", "disk_load_hold_s", "disk_backlog_gate")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY, MODEL_IDENTITY_KEY)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
@@ -149,6 +149,16 @@ GLUE_KEY_HELP: dict[str, str] = {
     "waited), loads_hold_expired (waits cut by the limit). Off by default: on the H200's "
     "queued mixed workload (twenty-seventh session) it made reusing requests 9-31 % "
     "slower, that run's disk being busy the whole time (about half of it writes).",
+    "disk_backlog_gate": "With breakeven_table: a reusable prefix part of which must come "
+    "from disk is read only while the disk can deliver it before the GPU would have "
+    "recomputed it: the bytes of the disk loads already in flight plus its own disk "
+    "blocks, over the table's disk_read_gbps, against the table's recompute time of the "
+    "tokens from its first disk block on. Otherwise its leading DRAM-tier (or staged) "
+    "blocks are loaded if the gate passes them alone and the rest is recomputed. Under a "
+    "queue of disk hits on a slow disk the GPU then works beside the disk instead of "
+    "requests waiting for reads. Decided when vLLM schedules the request; counters "
+    "gate_accepted_backlog / gate_refused_backlog. Default false (not yet measured on a "
+    "GPU).",
     "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
     "that is too short (or on a disk too slow) to win when read on demand, if its expected "
     "queueing time (the table's recompute times of the requests ahead) covers the read "
@@ -168,7 +178,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "min_store_prefix_tokens": "`auto`",
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
     "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`", "preload_protect": "false",
-    "disk_load_hold_s": "0",
+    "disk_load_hold_s": "0", "disk_backlog_gate": "false",
 }
 
 DEFAULT_TOKENS_PER_CHUNK = 256
@@ -193,6 +203,8 @@ class VllmOptions:
     preload_max_blocks: int = 64
     breakeven_table: str | None = None
     queue_aware_preload: bool = False
+    #: disk prefixes read only while the disk backlog lets them beat recompute
+    disk_backlog_gate: bool = False
     #: DRAM-tier blocks of the waiting requests in view are evicted last (queue order)
     preload_protect: bool = False
     #: int, or "auto" (resolved by the connector from the break-even table)
@@ -276,6 +288,12 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
         raise ConfigError("py-kvcache config key 'queue_aware_preload': needs "
                           "'breakeven_table' (the decision uses its recompute times and "
                           "disk bandwidth)")
+    bg = ex.get("disk_backlog_gate", False)
+    _need(isinstance(bg, bool), "disk_backlog_gate", "must be true or false", bg)
+    if bg and bt is None:
+        raise ConfigError("py-kvcache config key 'disk_backlog_gate': needs "
+                          "'breakeven_table' (the decision uses its recompute times and "
+                          "disk bandwidth)")
     pp = ex.get("preload_protect", False)
     _need(isinstance(pp, bool), "preload_protect", "must be true or false", pp)
     dm = ex.get("disk_min_prefix_tokens", "auto")
@@ -301,7 +319,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
                        blocks_per_chunk=bpc, offload_prompt_only=opo, model_id=model_id,
                        load_failure_policy=policy, model_dtype=ex.get(MODEL_DTYPE_KEY),
                        preload_lookahead=pk, preload_max_blocks=pm, breakeven_table=bt,
-                       queue_aware_preload=qa, preload_protect=pp,
+                       queue_aware_preload=qa, disk_backlog_gate=bg,
+                       preload_protect=pp,
                        disk_min_prefix_tokens=dm,
                        min_store_prefix_tokens=ms,
                        disk_lookup_cache_s=lc,

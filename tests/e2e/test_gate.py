@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from kvcache_core.breakeven import BreakevenTable
 
 from . import helpers as H
@@ -108,3 +110,54 @@ def test_prompts_below_the_dram_threshold_store_nothing(model_dir, workdir, refe
     assert s1.get("dram_cached", 0) == 0 and files_c == set()
     d = H.delta(s2, s1)
     assert d.get("stores_dram") == 3 and d.get("stores_skipped_below_floor", 0) == 3, d
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_disk_backlog_gate_weighs_reads_in_flight_against_recompute(
+        model_dir, workdir, reference, tmp_path, fast):
+    """``disk_backlog_gate``: A (768 tokens, 3 blocks) stored on disk, a table whose
+    static thresholds load every disk hit and whose recompute time of 768 tokens is 75 ms.
+    With another request's disk read in flight (the manager's count raised by one that no
+    load lowers, as a slow read of some other request would), A's 3 blocks plus the one
+    ahead take 10 s at the table's disk bandwidth: A is recomputed (recompute's tokens,
+    nothing read, counted gate_refused_backlog); at a bandwidth where they take 1 ms it
+    loads (gate_accepted_backlog). Once no read is in flight, A loads in both cases."""
+    root = os.path.join(workdir, f"root_backlog_{int(fast)}")
+    H.store_prompts(model_dir, root, ["A"])
+    four = 4 * H.FILE_BYTES
+    t = BreakevenTable(gpu="cpu", model=os.path.basename(model_dir),
+                       thresholds={"dram": 0, "disk": 0},
+                       bandwidths={"disk_read_gbps": four / (1e6 if fast else 1e10)},
+                       measurements=[{"tokens": 1024, "recompute_s": 0.1}])
+    table = str(tmp_path / "table.json")
+    with open(table, "w") as f:
+        json.dump(t.to_json(), f)
+    llm = H.make_llm(model_dir, H.extra_config(root, breakeven_table=table,
+                                                disk_backlog_gate=True,
+                                                preload_lookahead=0))
+    try:
+        mgr = H.manager(llm)
+        mgr.disk_loads_in_flight += 1  # a read of another request, still in flight
+        out = H.generate(llm, H.PROMPTS["A"])
+        H.drain(llm)
+        s1 = mgr.stats()
+        mgr.disk_loads_in_flight -= 1  # that read is done: the disk is free
+        out2 = H.generate(llm, H.PROMPTS["A"])
+        H.drain(llm)
+        s2 = mgr.stats()
+        assert mgr.disk_loads_in_flight == 0
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(out, reference["A"]) and H.same_output(out2, reference["A"])
+    if fast:
+        assert out["num_cached_tokens"] == 768, s1
+        assert s1["gate_accepted_backlog"] == 1 and s1["chunks_loaded_disk"] == 3, s1
+        assert s1["gate_refused_backlog"] == 0, s1
+    else:
+        assert out["num_cached_tokens"] == 0, s1
+        assert s1["gate_refused_backlog"] == 1 and s1["chunks_loaded_disk"] == 0, s1
+        assert s1["gate_accepted_disk"] == 0 and s1["gate_refused_disk"] == 0, s1
+    assert out2["num_cached_tokens"] == 768, s2
+    assert s2["gate_accepted_backlog"] == s1["gate_accepted_backlog"] + 1, s2
+    assert s2["chunks_loaded_disk"] == s1["chunks_loaded_disk"] + 3, s2
+    assert s2["load_failures"] == 0, s2

@@ -34,6 +34,13 @@ def test_parse_extra_config_errors_name_the_key():
         O.parse_extra_config({**base, "breakeven_table": "t.json", "queue_aware_preload": 1})
     with pytest.raises(ConfigError, match="'queue_aware_preload': needs 'breakeven_table'"):
         O.parse_extra_config({**base, "queue_aware_preload": True})
+    with pytest.raises(ConfigError, match="'disk_backlog_gate'.*true or false"):
+        O.parse_extra_config({**base, "breakeven_table": "t.json", "disk_backlog_gate": 1})
+    with pytest.raises(ConfigError, match="'disk_backlog_gate': needs 'breakeven_table'"):
+        O.parse_extra_config({**base, "disk_backlog_gate": True})
+    assert O.parse_extra_config({**base, "breakeven_table": "t.json",
+                                 "disk_backlog_gate": True}).disk_backlog_gate
+    assert not O.parse_extra_config(base).disk_backlog_gate
     with pytest.raises(ConfigError, match="'preload_protect'.*true or false"):
         O.parse_extra_config({**base, "preload_protect": "yes"})
     assert O.parse_extra_config({**base, "preload_protect": True}).preload_protect
