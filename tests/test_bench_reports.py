@@ -1011,3 +1011,41 @@ def test_preload_calls_report_compares_only_within_a_call(tmp_path):
                         "--call", "c1=nope", "--json", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "preload-m-nope.json not found" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(400)
+def test_mixed_with_table_and_queue_aware_preload_cpu(tmp_path):
+    """The GPU plan's item 4q on real vLLM (CPU platform, tiny Llama): the queued mixed
+    workload with a break-even table whose disk tier never wins on demand, the DRAM tier,
+    ``queue_aware_preload`` and ``preload_protect``. With preload, the store phase still
+    writes files and the load phase reads only what preloads stage for queued requests
+    (on-demand disk loads are refused: recompute); without preload (the gate alone) no
+    file is written and nothing is read. Every request completes."""
+    pytest.importorskip("vllm")
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({
+        "version": 1, "gpu": "cpu", "model": "tiny",
+        "tiers": {"dram": {"min_prefix_tokens": 0}, "disk": {"min_prefix_tokens": None}},
+        "bandwidths": {"disk_read_gbps": 1.0},
+        # recompute slow enough that the queue ahead always hides a read
+        "measurements": [{"tokens": 1024, "recompute_s": 5.0}]}))
+    p, out, _pre = _longdoc_cpu(
+        tmp_path, "mixed", "--workload", "mixed", "--tokens", "1024", "--docs", "2",
+        "--repeats", "3", "--fresh-frac", "0.25", "--concurrency", "8",
+        "--gpu-blocks", "12", "--configs", "kvcache_preload,kvcache_nopreload",
+        "--store-drain", "30", "--kv-extra", f"breakeven_table={table}",
+        "--kv-extra", "queue_aware_preload=true", "--kv-extra", "preload_protect=true")
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = {r["config"]: r for r in json.load(open(out))["results"]}
+    pre, nopre = rows["kvcache_preload"], rows["kvcache_nopreload"]
+    assert "error" not in pre and "error" not in nopre, rows
+    assert pre["n_requests"] == nopre["n_requests"] == 8
+    assert pre["store_counters"]["bytes_written"] > 0 and pre["disk_read_bytes"] > 0, pre
+    assert pre["store_unwritten_after_drain"] == 0
+    assert nopre["store_counters"]["bytes_written"] == 0, nopre
+    assert nopre["disk_read_bytes"] == 0, nopre
+    stats = json.load(open(tmp_path / "root" / "parts" / "kvcache_preload-load.stats"))
+    assert stats["preloads_claimed"] > 0 and stats["gate_accepted_staged"] > 0, stats
+    assert stats["gate_accepted_disk"] == 0 and stats["chunks_loaded_disk"] > 0, stats
