@@ -52,8 +52,11 @@ def collect(res_dir: str, model: str, calls: list[tuple[str, list[str]]]) -> lis
 
 def add_ratios(rows: list[dict], ref: str, base: str) -> None:
     """Within each call: ``vs_ref`` = mean / ref config's mean, ``vs_base`` = mean /
-    the base variant's mean for the same config (both None where the call lacks them)."""
+    the base variant's mean for the same config (both None where the call lacks them).
+    ``label``: the variant, ``-`` for the reference configuration (the same whichever
+    variant's step ran it)."""
     for row in rows:
+        row["label"] = "-" if row["config"] == ref else row["variant"]
         same = [r for r in rows if r["call"] == row["call"]]
         refs = [r["mean_ttft_s"] for r in same if r["config"] == ref]
         bases = [r for r in same if r["variant"] == base and r["config"] == row["config"]]
@@ -66,30 +69,19 @@ def add_ratios(rows: list[dict], ref: str, base: str) -> None:
                                 if reuse_b and row["variant"] != base else None)
 
 
-def summarize(rows: list[dict], ref: str) -> list[dict]:
-    """Per (variant, config): medians over the calls."""
-    out = []
-    keys = []
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (label, config), in first-run order: medians over the calls."""
+    groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        k = (r["variant"], r["config"])
-        if k not in keys:
-            keys.append(k)
-    for variant, config in keys:
-        rs = [r for r in rows if r["variant"] == variant and r["config"] == config]
-        if config == ref:
-            variant = "-"
-            if any(o["config"] == ref for o in out):
-                continue
-            rs = [r for r in rows if r["config"] == ref]
-
-        def med(field: str, rs: list[dict] = rs) -> tuple[float | None, int]:
-            vals = [r[field] for r in rs if r.get(field) is not None]
-            return (st.median(vals) if vals else None, len(vals))
-
-        row = {"variant": variant, "config": config, "n_calls": len(rs)}
+        groups.setdefault((r["label"], r["config"]), []).append(r)
+    out = []
+    for (label, config), rs in groups.items():
+        row = {"variant": label, "config": config, "n_calls": len(rs)}
         for f in ("mean_ttft_s", "mean_ttft_reuse_s", "mean_ttft_noreuse_s",
                   "disk_read_bytes", "vs_ref", "vs_base", "reuse_vs_base"):
-            row[f"median_{f}"], row[f"n_{f}"] = med(f)
+            vals = [r[f] for r in rs if r.get(f) is not None]
+            row[f"median_{f}"] = st.median(vals) if vals else None
+            row[f"n_{f}"] = len(vals)
         out.append(row)
     return out
 
@@ -110,7 +102,7 @@ def write_md(path: str, doc: dict) -> None:
         gbps = r["disk_read_gbps"]
         gbps = None if gbps is None or math.isnan(gbps) else gbps  # probe: first only
         lines.append(
-            f"| {r['call']} | {r['variant'] if r['config'] != ref else '-'} | {r['config']} "
+            f"| {r['call']} | {r['label']} | {r['config']} "
             f"| {fmt(r['mean_ttft_s'])} | {fmt(r['mean_ttft_reuse_s'])} "
             f"| {fmt(r['mean_ttft_noreuse_s'])} | {fmt(rd / 1e9 if rd else None, 1)} "
             f"| {r['disk_reads_repeat'] if r['disk_reads_repeat'] is not None else '-'} "
@@ -139,8 +131,7 @@ def write_png(path: str, doc: dict) -> None:
     import matplotlib.pyplot as plt
 
     rows = doc["rows"]
-    labels = sorted({(r["variant"] if r["config"] != doc["ref"] else "-", r["config"])
-                     for r in rows})
+    labels = sorted({(r["label"], r["config"]) for r in rows})
     calls = list(dict.fromkeys(r["call"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(calls)), 4))
     width = 0.8 / max(1, len(labels))
@@ -148,8 +139,7 @@ def write_png(path: str, doc: dict) -> None:
         xs, ys = [], []
         for j, c in enumerate(calls):
             for r in rows:
-                if r["call"] == c and (r["variant"] if r["config"] != doc["ref"] else "-",
-                                       r["config"]) == lab:
+                if r["call"] == c and (r["label"], r["config"]) == lab:
                     xs.append(j + i * width)
                     ys.append(r["mean_ttft_s"])
         ax.bar(xs, ys, width, label=f"{lab[1]} ({lab[0]})" if lab[0] != "-" else lab[1])
@@ -184,7 +174,7 @@ def main() -> int:
     doc = {"title": f"Queued preload A/B over {len(calls)} calls: {a.model}, {a.machine}",
            "model": a.model, "machine": a.machine, "ref": a.ref, "base": a.base,
            "note": a.note, "calls": [{"call": n, "suffixes": s} for n, s in calls],
-           "rows": rows, "summary": summarize(rows, a.ref)}
+           "rows": rows, "summary": summarize(rows)}
     stem = a.json[:-5] if a.json.endswith(".json") else a.json
     with open(stem + ".json", "w") as fh:
         json.dump(doc, fh, indent=1)

@@ -279,10 +279,16 @@ async def _stats_snapshot(engine, rid: str) -> dict:
     path = os.environ.get("KVCACHE_STATS_FILE")
     if not path:
         return {}
+    d = await _stats_after_tick(engine, path, rid)
+    return {k: d.get(k, 0) for k in STORE_COUNTERS} if d else {}
+
+
+async def _stats_after_tick(engine, path: str, rid: str) -> dict:
+    """Every counter and gauge of the stats file ``path`` as of one tiny request ``rid``
+    (:func:`_stats_snapshot`'s handshake); ``{}`` when none was written."""
     t0 = time.time()  # the exporter writes after each step: wait for one after t0
     await _ttft(engine, docs_for(16, 1, 4242)[0], rid)
-    d = read_stats_file(path, since=t0)
-    return {k: d.get(k, 0) for k in STORE_COUNTERS} if d else {}
+    return read_stats_file(path, since=t0)
 
 
 async def _drain_writes(engine, args, rid: str) -> tuple[float, int]:
@@ -290,7 +296,7 @@ async def _drain_writes(engine, args, rid: str) -> tuple[float, int]:
     seconds) until py-kvcache has nothing left to write: no store job in flight, no
     DRAM-tier slot pinned by its write-back, no block without its file (the store phase
     runs with writeback_flush, see :func:`transfer_config`). Polls the scheduler's stats
-    with tiny requests (:func:`_stats_snapshot`'s way). Returns (seconds waited, blocks
+    with tiny requests (:func:`_stats_after_tick`). Returns (seconds waited, blocks
     still without a file); not a py-kvcache configuration (no stats file): (0, 0)."""
     path = os.environ.get("KVCACHE_STATS_FILE")
     if not path or not args.config.startswith("kvcache"):
@@ -298,10 +304,8 @@ async def _drain_writes(engine, args, rid: str) -> tuple[float, int]:
     t0 = time.perf_counter()
     n = 0
     while True:
-        ts = time.time()
-        await _ttft(engine, docs_for(16, 1, 4242)[0], f"{rid}-{n}")
+        st = await _stats_after_tick(engine, path, f"{rid}-{n}")
         n += 1
-        st = read_stats_file(path, since=ts)
         left = st.get("dram_unwritten", 0)
         if st and not (st.get("stores_in_flight", 0) or st.get("dram_writeback_pinned", 0)
                        or left):

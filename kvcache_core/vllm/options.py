@@ -231,6 +231,17 @@ def _need(ok: bool, key: str, msg: str, value: Any) -> None:
         raise ConfigError(f"py-kvcache config key '{key}': {msg} (got {value!r})")
 
 
+def _table_switch(ex: Mapping[str, Any], key: str, table: str | None) -> bool:
+    """A true/false key (default false) that needs ``breakeven_table``: its decision uses
+    the table's recompute times and disk bandwidth."""
+    on = ex.get(key, False)
+    _need(isinstance(on, bool), key, "must be true or false", on)
+    if on and table is None:
+        raise ConfigError(f"py-kvcache config key '{key}': needs 'breakeven_table' (the "
+                          "decision uses its recompute times and disk bandwidth)")
+    return on
+
+
 def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     """Validate vLLM's ``kv_connector_extra_config`` for py-kvcache.
 
@@ -282,18 +293,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     bt = ex.get("breakeven_table")
     if bt is not None:
         _need(isinstance(bt, str) and bt != "", "breakeven_table", "must be a file path", bt)
-    qa = ex.get("queue_aware_preload", False)
-    _need(isinstance(qa, bool), "queue_aware_preload", "must be true or false", qa)
-    if qa and bt is None:
-        raise ConfigError("py-kvcache config key 'queue_aware_preload': needs "
-                          "'breakeven_table' (the decision uses its recompute times and "
-                          "disk bandwidth)")
-    bg = ex.get("disk_backlog_gate", False)
-    _need(isinstance(bg, bool), "disk_backlog_gate", "must be true or false", bg)
-    if bg and bt is None:
-        raise ConfigError("py-kvcache config key 'disk_backlog_gate': needs "
-                          "'breakeven_table' (the decision uses its recompute times and "
-                          "disk bandwidth)")
+    # switches whose decision uses the table's recompute times and disk bandwidth
+    qa, bg = (_table_switch(ex, key, bt) for key in ("queue_aware_preload",
+                                                     "disk_backlog_gate"))
     pp = ex.get("preload_protect", False)
     _need(isinstance(pp, bool), "preload_protect", "must be true or false", pp)
     dm = ex.get("disk_min_prefix_tokens", "auto")
