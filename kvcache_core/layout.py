@@ -542,6 +542,56 @@ def _host_tag() -> str:
 LEDGER_XATTR = "user.py-kvcache.ledger"
 
 
+def _open_or_link(path: str, mode: int, umask: int) -> tuple[int, bool]:
+    """Open the file at ``path`` or, where there is none, create it WITHOUT a create of
+    ``path`` itself: a private file (unique name next to it, ``O_EXCL``) is hard-linked
+    to ``path`` (first link wins; a loser opens the winner's file) and its own name
+    removed. Same contract as :func:`_open_private` (never through a symbolic link, a
+    link found at ``path`` is replaced, a file this call creates gets exactly ``mode``).
+
+    Why: two GlusterFS clients creating one name at the same moment can leave one of
+    them holding a file that no name points to (the brick's ``posix_create`` gave the
+    second create the first one's fresh file, then the first create, failing to set its
+    gfid, unlinked the name; seen in a brick log as "setting gfid on .../.usage failed
+    [File exists]"). A process holding that orphan counts its updates in a ledger nobody
+    else reads: the bound drifted by half. ``link`` is atomic on the brick and its
+    failure never removes an entry it did not make."""
+    replaced = False
+    tmp = f"{path}.{_host_tag()}.{os.getpid()}.{threading.get_ident()}.new"
+    for _ in range(8):
+        try:
+            return os.open(path, os.O_RDWR | _NOFOLLOW), replaced
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            log.warning("py-kvcache: %s is a symbolic link; replacing the link (its target "
+                        "is never followed) with a regular file", path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            replaced = True
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a crashed namesake's leftover
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode)
+        try:
+            if mode & umask:
+                os.fchmod(fd, mode)
+            os.link(tmp, path)
+        except FileExistsError:
+            os.close(fd)  # another process made it first: open that one
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return fd, replaced
+    raise OSError(errno.ELOOP, f"cannot create {path} (replaced repeatedly)", path)
+
+
 class Ledger:
     """Bytes published in a namespace, shared by processes through a locked file.
 
@@ -581,8 +631,14 @@ class Ledger:
         by a new, zeroed ledger (the owner should resync it from disk). ``coherent``:
         keep the value in an extended attribute, for the clients of a distributed
         filesystem (class docstring)."""
-        self._fd, self.replaced = _open_private(path, os.O_RDWR | os.O_CREAT, mode,
-                                                current_umask() if umask is None else umask)
+        umask = current_umask() if umask is None else umask
+        if coherent:  # clients of a distributed filesystem: no concurrent create of one name
+            self._fd, self.replaced = _open_or_link(path, mode, umask)
+        else:
+            self._fd, self.replaced = _open_private(path, os.O_RDWR | os.O_CREAT, mode, umask)
+        self.path = path
+        st = os.fstat(self._fd)
+        self._ident = (st.st_dev, st.st_ino)  # the file this ledger counts in (detached())
         #: whether the value lives in :data:`LEDGER_XATTR` (exact across FUSE clients)
         self.coherent = False
         self._lock = threading.RLock()
@@ -596,6 +652,19 @@ class Ledger:
         except BaseException:
             self.close()
             raise
+
+    def detached(self) -> bool:
+        """Whether :attr:`path` no longer names the file this ledger counts in (removed
+        or replaced while open: an operator's ``rm``, a distributed filesystem's lost
+        create): its updates then reach no other process. One ``lstat``; an error other
+        than a missing name answers False (unknown). Any thread."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) != self._ident
 
     def _probe_xattr(self, path: str) -> bool:
         """Whether the filesystem keeps user extended attributes on the ledger (read
@@ -708,6 +777,9 @@ class LayoutStats:
     rescans_hot: int = 0
     #: files evicted by the evictor thread in the background (part of evicted_files)
     evicted_background: int = 0
+    #: times the evictor found ``.usage`` removed or replaced under it and reopened the
+    #: ledger at its path, resynced from the files on disk (Layout._reattach_ledger)
+    ledger_reattached: int = 0
 
 
 class LayoutIndex:
@@ -933,6 +1005,8 @@ class Layout(LayoutIndex):
             coherent_ledger = is_fuse(self.root)
         self.ledger = Ledger(os.path.join(self.base, ".usage"), self.file_mode, umask,
                              coherent=coherent_ledger)
+        #: ledgers replaced by _reattach_ledger, closed by close()
+        self._old_ledgers: list[Ledger] = []
         #: a distributed filesystem's client (coherent ledger): eviction checks with the
         #: server that a file is still there before it counts its unlink
         self._check_unlink = self.ledger.coherent
@@ -1562,6 +1636,7 @@ class Layout(LayoutIndex):
         ``rescan_interval_s``), then background eviction above 95% down to 90%, and a
         ledger :meth:`resync` when it stays over that target with no candidate left."""
         self._drain_evicted()  # what a reserve evicted on its thread
+        self._reattach_ledger()
         m = self.max_disk_bytes
         used = self.ledger.peek()
         now = time.monotonic()
@@ -1582,6 +1657,24 @@ class Layout(LayoutIndex):
                     self.scan()
                 if not self._lru and self.ledger.peek() > target:
                     self.resync()
+
+    def _reattach_ledger(self) -> bool:
+        """When ``.usage`` no longer names the ledger this Layout counts in
+        (:meth:`Ledger.detached`), open the one at the path (created if missing) and
+        :meth:`resync` it from the files on disk; True when it did. Evictor thread (one
+        ``lstat`` per pass) or tools. The old ledger stays open until :meth:`close`:
+        another thread may be inside its lock; what it counts there is lost, and the
+        resync, a walk under the new lock, counts its file instead."""
+        old = self.ledger
+        if not old.detached():
+            return False
+        log.warning("py-kvcache: %s was removed or replaced while in use; reopening the "
+                    "byte ledger there and recounting it from the files on disk", old.path)
+        self.ledger = Ledger(old.path, self.file_mode, self._umask, coherent=old.coherent)
+        self._old_ledgers.append(old)
+        self.stats.ledger_reattached += 1
+        self.resync()
+        return True
 
     # ------------------------------------------------------------------ crash recovery
     def collect_dead_writers(self) -> int:
@@ -1762,5 +1855,8 @@ class Layout(LayoutIndex):
                 pass
             _close_quietly(self._writer_fd)  # ESTALE on GlusterFS: the file is unlinked
             self._writer_fd = -1
+            for old in self._old_ledgers:
+                old.close()
+            self._old_ledgers.clear()
             self.ledger.close()
             self.close_index()

@@ -445,3 +445,92 @@ def test_root_that_is_a_regular_file(tmp_path):
     assert ei.value.errno == errno.ENOTDIR, msg
     assert "not a directory" in msg, msg
     assert f.read_bytes() == b"x"
+
+
+# --------------------------------------------------------------------------- the ledger file
+_LEDGER_RACER = r"""
+import os, sys, time
+from kvcache_core.layout import Ledger
+path, go, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+while not os.path.exists(go):
+    time.sleep(0.0005)
+led = Ledger(path, coherent=True)
+for _ in range(n):
+    led.add(1)
+st = os.fstat(led._fd)
+print(st.st_ino, led.coherent)
+led.close()
+"""
+
+
+def test_ledger_created_by_many_processes_at_once_is_one_file(tmp_path):
+    """Eight processes open a coherent ledger that does not exist yet, at the same
+    moment (created by hard-linking a private file: no concurrent create of one name,
+    the GlusterFS race in ``_open_or_link``'s docstring), each adds 1 a hundred times:
+    all count in one file, the total is exact, no private file is left behind."""
+    path = str(tmp_path / ".usage")
+    go = str(tmp_path / "go")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    procs = [subprocess.Popen([sys.executable, "-c", _LEDGER_RACER, path, go, "100"],
+                              env=env, stdout=subprocess.PIPE, text=True) for _ in range(8)]
+    time.sleep(0.5)
+    open(go, "w").close()
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0] * 8
+    inos = {o[0] for o in outs}
+    assert inos == {str(os.stat(path).st_ino)}, outs  # one file, the one at the path
+    from kvcache_core.layout import Ledger
+    led = Ledger(path, coherent=True)
+    try:
+        assert led.get() == 800
+    finally:
+        led.close()
+    assert sorted(os.listdir(tmp_path)) == [".usage", "go"]
+
+
+def test_coherent_ledger_replaces_a_symlink_and_never_follows_it(tmp_path):
+    from kvcache_core.layout import Ledger
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"precious")
+    path = tmp_path / ".usage"
+    os.symlink(target, path)
+    led = Ledger(str(path), coherent=True)
+    try:
+        assert led.replaced and not os.path.islink(path)
+        led.add(5)
+        assert led.get() == 5
+    finally:
+        led.close()
+    assert target.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("coherent", [False, True])
+def test_removed_ledger_is_reattached_and_recounted(make_layout, ns, coherent):
+    """``.usage`` removed while a bounded Layout runs (an operator's ``rm``, or a
+    distributed filesystem losing a concurrent create): a second Layout opened after it
+    counts in a fresh ledger. The first one's evictor notices (one lstat per pass),
+    reopens the ledger at the path and recounts it from the files on disk; from then on
+    both count in one file and the bound holds."""
+    fb = ns.file_bytes
+    bound = 8 * fb
+    a = make_layout(max_disk_bytes=bound, rescan_interval_s=0.05, coherent_ledger=coherent)
+    for i in range(3):
+        a.write_block(f"a{i}".encode(), payload(f"a{i}".encode(), BLOCK))
+    os.unlink(os.path.join(a.base, ".usage"))
+    b = make_layout(max_disk_bytes=bound, rescan_interval_s=0.05, coherent_ledger=coherent)
+    deadline = time.monotonic() + 20
+    while a.stats.ledger_reattached == 0:
+        assert time.monotonic() < deadline, "the evictor did not reattach the ledger"
+        time.sleep(0.02)
+    assert a.stats.ledger_reattached == 1 and b.stats.ledger_reattached == 0
+    with a.ledger.locked():  # (a coherent ledger keeps its value in an attribute)
+        assert a.ledger.get() == published_bytes(a.base) == 3 * fb
+    assert b.ledger.get() == 3 * fb  # the same file (never nest two fds' flocks)
+    for i in range(12):  # both write: one ledger, one bound
+        for lay, tag in ((a, "a"), (b, "b")):
+            k = f"{tag}-more-{i}".encode()
+            lay.write_block(k, payload(k, BLOCK))
+            with lay.ledger.locked():
+                ledger, published = lay.ledger.get(), published_bytes(lay.base)
+            assert ledger == published <= bound, (i, tag, ledger, published)
+    assert a.stats.evicted_files + b.stats.evicted_files > 0
