@@ -97,9 +97,11 @@ Eviction (global LRU with shared recency):
   batch itself (down to 90% of the bound minus the block); it never walks the
   namespace.
 * A walk under the ledger lock (:meth:`Layout.resync`: ledger := bytes on disk) runs only
-  when the ledger cannot be trusted: a replaced ``.usage``, a dead writer's collection,
-  or on the evictor thread when the ledger stays over the target with no candidate left
-  on disk (a writer killed between link and ledger update, a rename double count).
+  when the ledger cannot be trusted: a replaced ``.usage`` (at open, or found by the
+  evictor's per-pass check that the path still names its ledger, which it then reopens:
+  :meth:`Layout._reattach_ledger`), a dead writer's collection, or on the evictor thread
+  when the ledger stays over the target with no candidate left on disk (a writer killed
+  between link and ledger update, a rename double count).
 * Unlinking is safe for a reader that already holds the file open: on a local
   filesystem it keeps reading the unlinked inode; on a distributed filesystem whose
   clients do not keep an inode unlinked by another client alive (GlusterFS), the read

@@ -12,7 +12,8 @@ Modes (argv[1]):
   ``{"op": "publish_temps"}`` (publish them all; answer: the publish results),
   ``{"op": "collect"}`` (:meth:`Layout.collect_dead_writers`; answer: the temp files it
   removed), ``{"op": "info"}`` (writer tag, host name, publish method, coherent ledger),
-  ``{"op": "stats"}``, ``{"op": "quit"}``. METHOD: ``publish_method`` (default "link").
+  ``{"op": "stats"}``, ``{"op": "quit"}`` (answers the final stats). METHOD:
+  ``publish_method`` (default "link").
 * ``churn ROOT BLOCK_BYTES MAX_DISK WID NWORKERS NBLOCKS SEED OUT``: waits for ``ROOT/go``,
   then publishes NBLOCKS blocks ``w<WID>-<i>`` and reads random earlier blocks of any
   worker; writes to OUT the wall time of every publish and read hit (the block's last use
@@ -84,10 +85,16 @@ class ServeProc:
         assert line, f"worker died (rc {self.p.poll()})"
         return json.loads(line)["res"]
 
-    def quit(self) -> None:
+    def quit(self) -> dict | None:
+        """Close the child's Layout (its evictor thread stopped and joined) and wait for
+        it to exit; returns its final stats (None when it had exited already). A
+        ``stats`` command before ``quit`` can miss an eviction that the background
+        evictor makes after answering it."""
         if self.p.poll() is None:
-            self.cmd("quit")
+            final = self.cmd("quit")
             assert self.p.wait(timeout=30) == 0
+            return final
+        return None
 
     def kill(self) -> None:
         if self.p.poll() is None:
@@ -157,9 +164,9 @@ def serve(root: str, block_bytes: int, max_disk: int, rescan_s: float,
                    "coherent": getattr(lay.ledger, "coherent", False)}
         elif op == "stats":
             res = dict(lay.stats.__dict__)
-        elif op == "quit":
+        elif op == "quit":  # answers the final stats: the evictor thread is joined
             lay.close()
-            out.write(json.dumps({"res": None}) + "\n")
+            out.write(json.dumps({"res": dict(lay.stats.__dict__)}) + "\n")
             out.flush()
             return
         else:
