@@ -242,6 +242,8 @@ WORKER_COUNTERS: dict[str, str] = {
     "one block share one read and do not count.",
     "bytes_written": "Worker: bytes written to disk.",
     "disk_evicted_files": "Worker: files evicted to honour max_disk_bytes.",
+    "disk_ledger_reattached": "Worker: times the namespace's .usage byte ledger was found "
+    "removed or replaced while in use, reopened and recounted from the files on disk.",
     "preloads_staged": "Worker: preloaded blocks read into staging ahead of their request.",
     "preloads_claimed": "Worker: on-demand loads served by a staged preload (no disk read).",
     "preloads_joined": "Worker: on-demand loads that joined a preload's read in flight.",

@@ -498,6 +498,7 @@ class PyKVCacheWorker(OffloadingWorker):
                     store_errors=s.stores_error, bytes_read=s.bytes_read,
                     disk_reads_repeat=s.disk_reads_repeat,
                     bytes_written=s.bytes_written, disk_evicted_files=ls.evicted_files,
+                    disk_ledger_reattached=ls.ledger_reattached,
                     preloads_staged=s.preload_staged, preloads_claimed=s.preload_claimed,
                     preloads_joined=s.preload_joined, preloads_deduped=s.preload_deduped,
                     loads_joined=s.loads_joined, preloads_wasted=s.preload_wasted,
