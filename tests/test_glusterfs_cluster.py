@@ -506,6 +506,46 @@ def test_eviction_follows_global_recency_across_mounts(mounts, gluster):
              "final_bytes": ledger})
 
 
+# ---------------------------------------------------------------- a lost ledger
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mounts", LAYOUTS, indirect=True)
+def test_ledger_removed_through_another_mount_is_reattached(mounts, gluster):
+    """Node A (mount 1) runs bounded with four blocks published; ``.usage`` is removed
+    through mount 2 and node B opens the namespace there (a fresh ledger at 0, as after
+    GlusterFS lost a concurrent create). A's evictor finds its ledger detached once its
+    mount sees the removal (GlusterFS's ~1 s metadata cache), reopens the one at the
+    path and recounts it; then both nodes store into one bound, and the ledger equals
+    the bytes on the bricks."""
+    layout, m1, m2, name = mounts
+    roots = (os.path.join(m1, name), os.path.join(m2, name))
+    bound = 12 * FB
+    a = Node(roots[0], NODES[0], bound)
+    b = None
+    try:
+        first = [f"a{i}" for i in range(4)]
+        assert a.cmd("pub", first) == first
+        base2 = os.path.join(roots[1], NS.dirname())
+        os.unlink(os.path.join(base2, ".usage"))
+        b = Node(roots[1], NODES[1], bound)
+        _wait_for(lambda: a.cmd("stats")["ledger_reattached"] >= 1, 30,
+                  "node A to reattach its ledger", step=0.05)
+        for i in range(10):
+            assert a.cmd("pub", [f"a-more{i}"]) == [f"a-more{i}"]
+            assert b.cmd("pub", [f"b-more{i}"]) == [f"b-more{i}"]
+        sa, sb = a.quit(), b.quit()
+    finally:
+        a.kill()
+        if b is not None:
+            b.kill()
+    assert sa["ledger_reattached"] == 1 and sb["ledger_reattached"] == 0, (sa, sb)
+    assert sa["evicted_files"] + sb["evicted_files"] > 0, (sa, sb)
+    copies = brick_copies(gluster, layout)
+    rel_base = os.path.join(name, NS.dirname())
+    await_ledger_on_bricks(copies, rel_base, [os.path.join(r, NS.dirname()) for r in roots])
+    for bricks in copies:
+        assert brick_ledger(bricks, rel_base) == brick_usage(bricks, rel_base)[1] <= bound
+
+
 # ---------------------------------------------------------------- dead writers
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mounts", LAYOUTS, indirect=True)
