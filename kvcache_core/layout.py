@@ -1670,9 +1670,13 @@ class Layout(LayoutIndex):
         old = self.ledger
         if not old.detached():
             return False
-        log.warning("py-kvcache: %s was removed or replaced while in use; reopening the "
-                    "byte ledger there and recounting it from the files on disk", old.path)
-        self.ledger = Ledger(old.path, self.file_mode, self._umask, coherent=old.coherent)
+        new = Ledger(old.path, self.file_mode, self._umask, coherent=old.coherent)
+        if new._ident == old._ident:  # the same file after all (an lstat that disagreed
+            new.close()  # with fstat): two fds' flocks of one file would deadlock a thread
+            return False
+        log.warning("py-kvcache: %s was removed or replaced while in use; reopened the "
+                    "byte ledger there, recounting it from the files on disk", old.path)
+        self.ledger = new
         self._old_ledgers.append(old)
         self.stats.ledger_reattached += 1
         self.resync()
