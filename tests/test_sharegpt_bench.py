@@ -224,10 +224,15 @@ def test_prepare_cli_small(tmp_path):
 
 
 # ---------------------------------------------------------------- client + reports
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(n: int = 1) -> int:
+    """A port P with P .. P+n-1 all free (``--parallel`` serves configuration i on P+i)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n <= 65535 and not S.ports_in_use(list(range(base, base + n))):
+            return base
+    raise AssertionError(f"no {n} consecutive free ports")
 
 
 async def _fake_server(port: int):
@@ -611,7 +616,7 @@ def test_end_to_end_parallel_rounds_on_idle_servers_cpu(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "kvcache_core.bench.sharegpt", "run", "--model", str(model),
          "--workload", wl, "--configs", "prefix_cache,kvcache_dram", "--root",
-         str(tmp_path / "root"), "--json", out, "--port", str(_free_port()),
+         str(tmp_path / "root"), "--json", out, "--port", str(_free_port(2)),
          "--timeout", "300", "--staging-bytes", str(64 << 20), "--cpu-bytes", str(64 << 20),
          "--machine", "cpu-test", "--parallel", "--kv-cache-memory-bytes", str(1 << 30),
          "--n", "8", "--rounds", "2", "--quiesce", "20",
@@ -624,8 +629,8 @@ def test_end_to_end_parallel_rounds_on_idle_servers_cpu(tmp_path):
                      ("2", "kvcache_dram"), ("2", "prefix_cache")], order
     res = json.load(open(out))
     assert res["parallel"] is True
-    for r in res["results"]:
-        assert "error" not in r, r
+    for r in res["results"]:  # the error and the server's last log lines are in stderr
+        assert "error" not in r, (r.get("error"), p.stderr[-3000:])
         assert r["n_rounds"] == 2 and r["n_completed"] == 16, r
         for rnd in r["rounds"]:
             assert rnd["quiet_start"] is True and 0 < rnd["quiesce_s"] < 20, rnd
@@ -964,3 +969,15 @@ def test_merge_refuses_results_of_different_replays(tmp_path, capsys):
         S.main(["merge", str(pa), str(other), "--json", str(tmp_path / "m.json")])
     assert "not a result of `run --json`" in str(e.value)
     assert not os.path.exists(tmp_path / "m.json")
+
+
+def test_ports_in_use_finds_a_listener():
+    """--parallel refuses a --port whose window holds a listener (the server there would
+    die at start-up and every round of its configuration would be an error)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert S.ports_in_use([port]) == [port]
+    free = _free_port(2)
+    assert S.ports_in_use([free, free + 1]) == []

@@ -73,6 +73,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -1011,6 +1012,19 @@ def py_spy_works(exe: str) -> bool:
     return ok
 
 
+def ports_in_use(ports: list[int]) -> list[int]:
+    """Those of ``ports`` that something on this host listens on already (a bind to all
+    interfaces fails), where a ``vllm serve`` would die at start-up."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
 def internal_port_base(http_port: int) -> int:
     """``VLLM_PORT`` for the server on ``http_port``: the first of a window of 40 ports
     (vLLM scans upward from it for its internal sockets), disjoint for HTTP ports that
@@ -1597,6 +1611,11 @@ def run_parallel(args, configs: list[str], slices: list[list[dict]], model_dir: 
     whatever a disk-writing configuration (up to 20 GB per round on LongBench-docs) still
     wrote back after its round ran into the next configuration's round, always the same
     one. "Idle" is relative to the servers' own idle load, sampled once all are up."""
+    busy = ports_in_use([args.port + i for i in range(len(configs))])
+    if busy:  # a server there would die at start-up, its rounds all errors
+        raise SystemExit(f"sharegpt: port(s) {busy} already in use; --parallel serves "
+                         f"configuration i on --port + i ({args.port}.."
+                         f"{args.port + len(configs) - 1}): pass another --port")
     servers = [Server(args, c, model_dir, name, args.port + i) for i, c in enumerate(configs)]
     t_begin = time.monotonic()
     try:
