@@ -434,6 +434,15 @@ def _private_dir(path: str, mode: int, umask: int) -> None:
     _fix_dir_mode(path, mode, umask)
 
 
+def _remove_symlink(path: str) -> None:
+    """Remove the symbolic link found where a namespace file belongs (the link itself,
+    never its target), with a warning; its caller then creates a regular file there."""
+    log.warning("py-kvcache: %s is a symbolic link; replacing the link (its target "
+                "is never followed) with a regular file", path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def _open_private(path: str, flags: int, mode: int, umask: int) -> tuple[int, bool]:
     """Open (``O_CREAT`` in ``flags``: or create) a namespace file without following a
     symbolic link. A file this call creates gets exactly ``mode``; an existing file keeps
@@ -462,10 +471,7 @@ def _open_private(path: str, flags: int, mode: int, umask: int) -> tuple[int, bo
         except OSError as e:
             if e.errno != errno.ELOOP or not flags & os.O_CREAT:
                 raise
-            log.warning("py-kvcache: %s is a symbolic link; replacing the link (its target "
-                        "is never followed) with a regular file", path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            _remove_symlink(path)
             replaced = True
     raise OSError(errno.ELOOP, f"cannot create {path} (replaced repeatedly)", path)
 
@@ -568,18 +574,13 @@ def _open_or_link(path: str, mode: int, umask: int) -> tuple[int, bool]:
         except OSError as e:
             if e.errno != errno.ELOOP:
                 raise
-            log.warning("py-kvcache: %s is a symbolic link; replacing the link (its target "
-                        "is never followed) with a regular file", path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            _remove_symlink(path)
             replaced = True
             continue
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # a crashed namesake's leftover
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, mode)
+            os.unlink(tmp)  # a crashed namesake's leftover (maybe a link to an old ledger)
+        fd = _open_private(tmp, os.O_RDWR | os.O_CREAT, mode, umask)[0]
         try:
-            if mode & umask:
-                os.fchmod(fd, mode)
             os.link(tmp, path)
         except FileExistsError:
             os.close(fd)  # another process made it first: open that one
@@ -640,7 +641,8 @@ class Ledger:
             self._fd, self.replaced = _open_private(path, os.O_RDWR | os.O_CREAT, mode, umask)
         self.path = path
         st = os.fstat(self._fd)
-        self._ident = (st.st_dev, st.st_ino)  # the file this ledger counts in (detached())
+        #: (st_dev, st_ino) of the file this ledger counts in (:meth:`detached`)
+        self.ident = (st.st_dev, st.st_ino)
         #: whether the value lives in :data:`LEDGER_XATTR` (exact across FUSE clients)
         self.coherent = False
         self._lock = threading.RLock()
@@ -666,7 +668,7 @@ class Ledger:
             return True
         except OSError:
             return False
-        return (st.st_dev, st.st_ino) != self._ident
+        return (st.st_dev, st.st_ino) != self.ident
 
     def _probe_xattr(self, path: str) -> bool:
         """Whether the filesystem keeps user extended attributes on the ledger (read
@@ -1671,7 +1673,7 @@ class Layout(LayoutIndex):
         if not old.detached():
             return False
         new = Ledger(old.path, self.file_mode, self._umask, coherent=old.coherent)
-        if new._ident == old._ident:  # the same file after all (an lstat that disagreed
+        if new.ident == old.ident:  # the same file after all (an lstat that disagreed
             new.close()  # with fstat): two fds' flocks of one file would deadlock a thread
             return False
         log.warning("py-kvcache: %s was removed or replaced while in use; reopened the "
