@@ -348,9 +348,27 @@ def make_dirs(path: str, mode: int = DEFAULT_DIR_MODE, umask: int | None = None)
     """``os.makedirs(path, exist_ok=True)`` where every directory this call creates,
     intermediate ones included, gets exactly ``mode`` whatever the umask. Existing
     directories (and symbolic links to directories among the parents: the caller's path)
-    are left as they are. Raises OSError (ENOTDIR, EACCES...) like ``os.makedirs``."""
+    are left as they are. Raises OSError (ENOTDIR, EACCES...) like ``os.makedirs``.
+
+    A ``mkdir`` failing with ENOENT / ESTALE under a parent that this call saw or made
+    (another client of a distributed filesystem won a race for that parent: see
+    :func:`_namespace_dirs`) starts the walk again, for up to :data:`MKDIR_RACE_S`."""
     if umask is None:
         umask = current_umask()
+    delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
+    while True:
+        try:
+            _make_dirs_once(path, mode, umask)
+            return
+        except OSError as e:
+            if e.errno not in _RACE_ERRNOS or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+
+def _make_dirs_once(path: str, mode: int, umask: int) -> None:
+    """One walk of :func:`make_dirs` (retries only ESTALE on each ``mkdir``)."""
     missing: list[str] = []
     p = os.path.abspath(path)
     while not os.path.lexists(p):
@@ -432,6 +450,33 @@ def _private_dir(path: str, mode: int, umask: int) -> None:
                           path) from None
         raise OSError(errno.ENOTDIR, f"{path} is not a directory", path) from None
     _fix_dir_mode(path, mode, umask)
+
+
+def _namespace_dirs(base: str, mode: int, umask: int) -> None:
+    """Create (or accept) the namespace directory ``base`` and its ``.writers`` with
+    :func:`_private_dir`, retrying the pair for up to :data:`MKDIR_RACE_S` when the
+    second ``mkdir`` fails with ENOENT / ESTALE.
+
+    On GlusterFS, when clients on two mounts ``mkdir`` the same new namespace at once, the
+    losing client can be told that its ``mkdir`` worked under a directory id that the
+    server never recorded (brick log: "setting gfid ... failed [File exists]"); its
+    ``mkdir`` of ``.writers`` inside then fails (ESTALE, or ENOENT after the kernel's
+    revalidation) until its entry for ``base`` expires (about a second). Another error,
+    or a race outlasting the deadline, is raised."""
+    delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
+    writers = os.path.join(base, ".writers")
+    while True:
+        try:
+            _private_dir(base, mode, umask)
+            _private_dir(writers, mode, umask)
+            return
+        except OSError as e:
+            if e.errno not in _RACE_ERRNOS or time.monotonic() + delay > deadline:
+                raise
+            log.debug("py-kvcache: %s: %s; retrying (lost a mkdir race with another "
+                      "client?)", writers, e.strerror)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
 
 def _remove_symlink(path: str) -> None:
@@ -1000,8 +1045,7 @@ class Layout(LayoutIndex):
         self.publish_method = resolve_publish_method(publish_method, self.root)
         self._file_bytes = ns.file_bytes
         try:
-            _private_dir(self.base, self.dir_mode, umask)
-            _private_dir(os.path.join(self.base, ".writers"), self.dir_mode, umask)
+            _namespace_dirs(self.base, self.dir_mode, umask)
         except OSError as e:
             raise LayoutError(e.errno, f"py-kvcache root_dir '{root}': cannot initialise "
                               f"namespace directory: {e.strerror}") from e

@@ -652,3 +652,65 @@ def test_writer_of_a_node_whose_mount_died_is_collected(mounts, gluster):
             b.kill()
     _report({"test": "dead_mount_writer_collected", "layout": layout,
              "collect_after_client_kill_s": round(collect_s, 3)})
+
+
+# ---------------------------------------------------------------- a fresh namespace
+OPENER = r"""
+import json, sys
+from helpers.lru_worker import become_node, content, make_ns
+from kvcache_core.layout import Layout
+root, node, key, bb = sys.argv[1], sys.argv[2], sys.argv[3].encode(), int(sys.argv[4])
+become_node(node)
+print("ready", flush=True)
+sys.stdin.readline()
+lay = Layout(root, make_ns(bb), max_disk_bytes=1 << 30, publish_method="auto")
+try:
+    ok = lay.write_block(key, content(key, bb))
+    print(json.dumps({"published": ok, "back": lay.read_block(key) == content(key, bb)}),
+          flush=True)
+finally:
+    lay.close()
+"""
+OPEN_ROUNDS = 6
+OPENERS_PER_MOUNT = 3
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mounts", LAYOUTS, indirect=True)
+def test_processes_on_both_mounts_open_a_fresh_namespace_at_once(mounts, gluster):
+    """Operators start the engines of several nodes at the same moment: processes on
+    both mounts open a namespace that does not exist yet, at once (each round a fresh
+    root). GlusterFS mishandles concurrent ``mkdir`` of one name from two clients (the
+    losing client is told its ``mkdir`` worked, under a directory id the server never
+    recorded: its next ``mkdir`` inside fails with ESTALE / ENOENT for about a second;
+    a CI run lost a writer to it). Every process must open the namespace, store its
+    block and read it back."""
+    layout, m1, m2, name = mounts
+    env = dict(ENV, PYTHONPATH=f"{REPO}{os.pathsep}{os.path.join(REPO, 'tests')}")
+    failures: list[str] = []
+    for r in range(OPEN_ROUNDS):
+        procs = []
+        for m, node in ((m1, NODES[0]), (m2, NODES[1])):
+            root = os.path.join(m, f"{name}-{r}")
+            for i in range(OPENERS_PER_MOUNT):
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-c", OPENER, root, node, f"{node}-{r}-{i}", str(BB)],
+                    env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE))
+        try:
+            for p in procs:
+                assert p.stdout.readline().strip() == "ready", p.communicate(timeout=30)
+            for p in procs:  # as close together as the test can make them
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            for p in procs:
+                out, err = p.communicate(timeout=60)
+                if p.returncode != 0 or json.loads(out.strip() or "{}") != {
+                        "published": True, "back": True}:
+                    failures.append(f"round {r}: rc {p.returncode} {out!r}\n{err[-1500:]}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    assert not failures, "\n".join(failures)

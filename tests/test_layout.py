@@ -534,3 +534,47 @@ def test_removed_ledger_is_reattached_and_recounted(make_layout, ns, coherent):
                 ledger, published = lay.ledger.get(), published_bytes(lay.base)
             assert ledger == published <= bound, (i, tag, ledger, published)
     assert a.stats.evicted_files + b.stats.evicted_files > 0
+
+
+def test_namespace_whose_directory_vanishes_under_its_first_mkdir_is_made_again(
+        root, ns, monkeypatch):
+    """The losing side of two clients' concurrent ``mkdir`` of a new namespace on
+    GlusterFS: its ``mkdir`` of the namespace "worked", then the ``mkdir`` of ``.writers``
+    inside fails with ENOENT (the directory is not where its client thinks; a CI run
+    lost a writer process to it). Reproduced here by removing the namespace directory
+    between the two ``mkdir`` calls: the Layout makes the pair again and opens; a race
+    that outlasts the retry deadline, or ENOENT that never ends, is a LayoutError naming
+    the root."""
+    import kvcache_core.layout as lay_mod
+
+    real_mkdir = os.mkdir
+    vanished: list[str] = []
+
+    def racing_mkdir(path, mode=0o777, *a, **kw):
+        if str(path).endswith("/.writers") and not vanished:
+            os.rmdir(os.path.dirname(path))  # the other client's view wins
+            vanished.append(str(path))
+        return real_mkdir(path, mode, *a, **kw)
+
+    monkeypatch.setattr(lay_mod.os, "mkdir", racing_mkdir)
+    lay = Layout(root, ns)
+    try:
+        assert vanished and os.path.isdir(os.path.join(lay.base, ".writers"))
+        assert lay.write_block(b"k", payload(b"k", BLOCK))
+        assert lay.read_block(b"k") == payload(b"k", BLOCK)
+    finally:
+        lay.close()
+
+    def never_there(path, mode=0o777, *a, **kw):
+        if str(path).endswith("/.writers"):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+        return real_mkdir(path, mode, *a, **kw)
+
+    monkeypatch.setattr(lay_mod.os, "mkdir", never_there)
+    monkeypatch.setattr(lay_mod, "MKDIR_RACE_S", 0.2)
+    other = dataclasses.replace(ns, model="other/model")
+    t0 = time.monotonic()
+    with pytest.raises(LayoutError, match="cannot initialise namespace directory") as ei:
+        Layout(root, other)
+    assert ei.value.errno == errno.ENOENT and root in str(ei.value)
+    assert time.monotonic() - t0 < 5
