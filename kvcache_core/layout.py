@@ -140,7 +140,9 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import blake3
 import xxhash
@@ -156,6 +158,7 @@ MAX_KEY_BYTES = 64
 # magic, version, header_bytes, payload_len, block_bytes, ns digest, key_len, key,
 # payload xxh3-64, header xxh3-64 (over everything before it)
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 HEADER_FMT = struct.Struct(f"<8sIIQQ16sH{MAX_KEY_BYTES}sQ")
 HEADER_HASH = struct.Struct("<Q")
 #: byte offset of the payload checksum (the last field of HEADER_FMT)
@@ -217,16 +220,11 @@ def scan_dir(path: str, sort: bool = False) -> list[os.DirEntry]:
 def settled_isdir(path: str) -> bool:
     """Whether ``path`` is a directory, where a ``stat`` that races another client's
     ``mkdir`` of it on a distributed filesystem (ESTALE / ENOENT for up to about a
-    second on GlusterFS) is retried as in :func:`make_dirs` before answering False."""
-    delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
-    while True:
-        try:
-            return stat.S_ISDIR(os.stat(path).st_mode)
-        except OSError as e:
-            if e.errno not in _RACE_ERRNOS or time.monotonic() + delay > deadline:
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
+    second on GlusterFS) is retried (:func:`_retry_races`) before answering False."""
+    try:
+        return stat.S_ISDIR(_retry_races(lambda: os.stat(path)).st_mode)
+    except OSError:
+        return False
 
 
 def round_up(n: int, a: int = ALIGN) -> int:
@@ -353,22 +351,12 @@ def make_dirs(path: str, mode: int = DEFAULT_DIR_MODE, umask: int | None = None)
     A ``mkdir`` failing with ENOENT / ESTALE under a parent that this call saw or made
     (another client of a distributed filesystem won a race for that parent: see
     :func:`_namespace_dirs`) starts the walk again, for up to :data:`MKDIR_RACE_S`."""
-    if umask is None:
-        umask = current_umask()
-    delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
-    while True:
-        try:
-            _make_dirs_once(path, mode, umask)
-            return
-        except OSError as e:
-            if e.errno not in _RACE_ERRNOS or time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
+    umask = current_umask() if umask is None else umask
+    _retry_races(lambda: _make_dirs_once(path, mode, umask))
 
 
 def _make_dirs_once(path: str, mode: int, umask: int) -> None:
-    """One walk of :func:`make_dirs` (retries only ESTALE on each ``mkdir``)."""
+    """One walk of :func:`make_dirs`: the missing directories, outermost first."""
     missing: list[str] = []
     p = os.path.abspath(path)
     while not os.path.lexists(p):
@@ -378,20 +366,11 @@ def _make_dirs_once(path: str, mode: int, umask: int) -> None:
             break
         p = parent
     for d in reversed(missing):
-        delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
-        while True:
-            try:
-                os.mkdir(d, mode)
-            except FileExistsError:
-                break  # another process made it: its creator sets its mode
-            except OSError as e:  # ESTALE: another client's mkdir of it is in flight
-                if e.errno != errno.ESTALE or time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.25)
-                continue
-            _fix_dir_mode(d, mode, umask)
-            break
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            continue  # another process made it: its creator sets its mode
+        _fix_dir_mode(d, mode, umask)
 
 
 #: an extended attribute that is never set: reading it asks a distributed filesystem's
@@ -403,6 +382,23 @@ MKDIR_RACE_S = 3.0
 #: errors of a file or directory creation that lost a race with another client of a
 #: distributed filesystem (stale entry of the losing client): worth a retry
 _RACE_ERRNOS = (errno.ENOENT, errno.ESTALE)
+
+
+def _retry_races(fn: Callable[[], T]) -> T:
+    """``fn()``, called again while it raises OSError with an errno of
+    :data:`_RACE_ERRNOS` (a create or lookup that lost a race with another client of a
+    distributed filesystem), with growing pauses (10 ms doubling to 250 ms) for up to
+    :data:`MKDIR_RACE_S`; then, or on any other error, the error is raised. ``fn`` must
+    be safe to repeat (each call starts from what is on disk)."""
+    delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
+    while True:
+        try:
+            return fn()
+        except OSError as e:
+            if e.errno not in _RACE_ERRNOS or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
 
 def _close_quietly(fd: int) -> None:
@@ -462,21 +458,12 @@ def _namespace_dirs(base: str, mode: int, umask: int) -> None:
     server never recorded (brick log: "setting gfid ... failed [File exists]"); its
     ``mkdir`` of ``.writers`` inside then fails (ESTALE, or ENOENT after the kernel's
     revalidation) until its entry for ``base`` expires (about a second). Another error,
-    or a race outlasting the deadline, is raised."""
-    delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
-    writers = os.path.join(base, ".writers")
-    while True:
-        try:
-            _private_dir(base, mode, umask)
-            _private_dir(writers, mode, umask)
-            return
-        except OSError as e:
-            if e.errno not in _RACE_ERRNOS or time.monotonic() + delay > deadline:
-                raise
-            log.debug("py-kvcache: %s: %s; retrying (lost a mkdir race with another "
-                      "client?)", writers, e.strerror)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
+    or a race outlasting the deadline, is raised (:func:`_retry_races`)."""
+    def pair() -> None:
+        _private_dir(base, mode, umask)
+        _private_dir(os.path.join(base, ".writers"), mode, umask)
+
+    _retry_races(pair)
 
 
 def _remove_symlink(path: str) -> None:

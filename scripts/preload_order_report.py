@@ -96,28 +96,33 @@ def analyse(paths: list[str], tier_chunks: int, doc_chunks: int) -> dict:
             "summary": summary, "correlation": corr}
 
 
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    """A Markdown table's lines."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in r) + " |" for r in rows)]
+
+
 def markdown(res: dict) -> str:
+    yes = {True: "yes", False: "-"}
     out = ["# Preload and the order of the queued mixed workload's documents", "",
            f"`scripts/preload_order_report.py` over the runs on file; DRAM tier "
            f"{res['tier_chunks']} chunks, {res['doc_chunks']} chunks per document; "
-           "variant = a run with extra connector keys (`kv_extra`).", "",
-           "| run | config | variant | switches | simulated chunk hits | disk read (GB) "
-           "| reusing TTFT (s) |", "|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        out.append(f"| {r['run']} | {r['config']} | {'yes' if r['variant'] else '-'} | "
-                   f"{r['switches']} | {r['sim_chunks_hit']} | {r['disk_read_gb']} | "
-                   f"{r['mean_ttft_reuse_s']} |")
-    out += ["", "| config | variant | runs | median switches | median simulated hits | "
-            "median disk read (GB) |", "|---|---|---|---|---|---|"]
-    for s in res["summary"]:
-        out.append(f"| {s['config']} | {'yes' if s['variant'] else '-'} | {s['n']} | "
-                   f"{s['median_switches']} | {s['median_sim_chunks_hit']} | "
-                   f"{s['median_disk_read_gb']} |")
-    out += ["", "| py-kvcache runs | n | corr(simulated hits, disk read) | "
-            "corr(switches, reusing TTFT) |", "|---|---|---|---|"]
-    for c in res["correlation"]:
-        out.append(f"| {'variants' if c['variant'] else 'defaults'} | {c['n']} | "
-                   f"{c['sim_hits_vs_disk_read']} | {c['switches_vs_reuse_ttft']} |")
+           "variant = a run with extra connector keys (`kv_extra`).", ""]
+    out += _table(["run", "config", "variant", "switches", "simulated chunk hits",
+                   "disk read (GB)", "reusing TTFT (s)"],
+                  [[r["run"], r["config"], yes[r["variant"]], r["switches"],
+                    r["sim_chunks_hit"], r["disk_read_gb"], r["mean_ttft_reuse_s"]]
+                   for r in res["rows"]])
+    out += [""] + _table(["config", "variant", "runs", "median switches",
+                          "median simulated hits", "median disk read (GB)"],
+                         [[s["config"], yes[s["variant"]], s["n"], s["median_switches"],
+                           s["median_sim_chunks_hit"], s["median_disk_read_gb"]]
+                          for s in res["summary"]])
+    out += [""] + _table(["py-kvcache runs", "n", "corr(simulated hits, disk read)",
+                          "corr(switches, reusing TTFT)"],
+                         [["variants" if c["variant"] else "defaults", c["n"],
+                           c["sim_hits_vs_disk_read"], c["switches_vs_reuse_ttft"]]
+                          for c in res["correlation"]])
     return "\n".join(out) + "\n"
 
 
