@@ -150,6 +150,8 @@ import xxhash
 from .config import check_mode
 from .io.base import DEFAULT_FILE_MODE
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 FORMAT_VERSION = 1
 MAGIC = b"PYKVCB\x00\x01"
 ALIGN = 4096
@@ -157,8 +159,6 @@ HEADER_BYTES = 4096
 MAX_KEY_BYTES = 64
 # magic, version, header_bytes, payload_len, block_bytes, ns digest, key_len, key,
 # payload xxh3-64, header xxh3-64 (over everything before it)
-log = logging.getLogger(__name__)
-T = TypeVar("T")
 HEADER_FMT = struct.Struct(f"<8sIIQQ16sH{MAX_KEY_BYTES}sQ")
 HEADER_HASH = struct.Struct("<Q")
 #: byte offset of the payload checksum (the last field of HEADER_FMT)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -43,15 +42,14 @@ def switches(order: list[int]) -> int:
 
 
 def pearson(xs: list[float], ys: list[float]) -> float | None:
-    """Pearson correlation; None with fewer than 3 points or no spread."""
+    """Pearson correlation (:func:`statistics.correlation`); None with fewer than 3
+    points or no spread."""
     if len(xs) < 3:
         return None
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
-    sy = math.sqrt(sum((y - my) ** 2 for y in ys))
-    if sx == 0 or sy == 0:
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:  # a constant input
         return None
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / (sx * sy)
 
 
 def analyse(paths: list[str], tier_chunks: int, doc_chunks: int) -> dict:
