@@ -99,17 +99,17 @@ case "$STEP" in
     # repeated so that at least 50 requests are in flight at once.
     TOKENS=${TOKENS:-40960}
     if [ "$TOKENS" -gt 40960 ]; then DOCS=4; REP=13; else DOCS=8; REP=7; fi
-    "${B[@]}" --json "$RES/preload50-run-$M-$TOKENS.json" --tokens "$TOKENS" --docs $DOCS \
-      --repeats $REP --concurrency 50 --workload longdoc \
+    "${B[@]}" --json "$RES/preload50-run-$M-$TOKENS$SFX.json" --tokens "$TOKENS" \
+      --docs $DOCS --repeats $REP --concurrency 50 --workload longdoc \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
-      --preload-json "$RES/preload-$M.json" ;;
+      --preload-json "$RES/preload-$M$SFX.json" ;;
   mixed)
     # issue 4 item 5: 50 requests of 64k tokens, half reuse a cached prefix (5 docs x 5),
     # at most 8 in flight
-    "${B[@]}" --json "$RES/mixed-run-$M.json" --tokens 65536 --docs 5 --repeats 5 \
+    "${B[@]}" --json "$RES/mixed-run-$M$SFX.json" --tokens 65536 --docs 5 --repeats 5 \
       --fresh-frac 0.5 --concurrency 8 --workload mixed \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
-      --preload-json "$RES/preload-$M.json" ;;
+      --preload-json "$RES/preload-$M$SFX.json" ;;
   queue)
     # issue 5 item 4: the preload workload with the disk tier gated (table of the gate
     # step, else the committed one): queue-aware preload on vs off, recompute beside
