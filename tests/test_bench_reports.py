@@ -988,11 +988,14 @@ def test_preload_calls_report_compares_only_within_a_call(tmp_path):
     res("base-r2", [("native_fs", 5.0), ("kvcache_preload", 4.0)])
     res("a-r2", [("kvcache_preload", 2.0)])
     res("a-r3", [("kvcache_nopreload", 3.0)])
+    res("a-r4", [("kvcache_nopreload", 9.0), ("kvcache_preload", 5.0)])
     script = os.path.join(REPO, "scripts", "preload_calls_report.py")
     out = tmp_path / "ab.json"
+    issue = tmp_path / "preload-model.json"
     p = subprocess.run([sys.executable, script, "--dir", str(tmp_path), "--model", "m",
                         "--call", "c1=a,base", "--call", "c2=base-r2,a-r2",
-                        "--call", "c3=a-r3", "--json", str(out)],
+                        "--call", "c3=a-r3", "--call", "c4=a-r4", "--json", str(out),
+                        "--issue-json", str(issue), "--issue-model", "model"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     doc = json.load(open(out))
@@ -1001,10 +1004,19 @@ def test_preload_calls_report_compares_only_within_a_call(tmp_path):
     assert rows[("c1", "a", "kvcache_preload")]["vs_base"] == pytest.approx(0.75)
     assert rows[("c2", "a-r2", "kvcache_preload")]["vs_base"] == pytest.approx(0.5)
     assert rows[("c3", "a-r3", "kvcache_nopreload")]["vs_ref"] is None  # no native_fs there
+    # preload off / on of one variant within one call only (reusing: t + 1)
+    assert rows[("c4", "a-r4", "kvcache_preload")]["reuse_off_on"] == pytest.approx(10 / 6)
+    assert rows[("c1", "a", "kvcache_preload")]["reuse_off_on"] is None  # c3's off: other call
     summ = {(s["variant"], s["config"]): s for s in doc["summary"]}
     a = summ[("a", "kvcache_preload")]
-    assert a["n_calls"] == 2 and a["median_vs_base"] == pytest.approx(0.625)
+    assert a["n_calls"] == 3 and a["median_vs_base"] == pytest.approx(0.625)
     assert a["median_vs_ref"] == pytest.approx((0.6 + 0.4) / 2) and a["n_vs_ref"] == 2
+    assert a["n_reuse_off_on"] == 1
+    got = json.load(open(issue))
+    assert got["model"] == "model" and len(got["results"]) == len(doc["rows"])
+    first = got["results"][0]
+    assert (first["call"], first["variant"], first["config"]) == ("c1", "a", "kvcache_preload")
+    assert first["mean_ttft_s"] == 6.0 and first["vs_ref"] == pytest.approx(0.6)
     assert summ[("-", "native_fs")]["median_mean_ttft_s"] == pytest.approx(7.5)
     assert (tmp_path / "ab.md").exists() and (tmp_path / "ab.png").stat().st_size > 0
     p = subprocess.run([sys.executable, script, "--dir", str(tmp_path), "--model", "m",
