@@ -31,7 +31,7 @@ def test_shown_glue_defaults_are_the_parsed_ones():
     shown = {"true": True, "false": False, "-": None}
     for key in ("offload_prompt_only", "preload_lookahead", "preload_max_blocks",
                 "breakeven_table", "queue_aware_preload", "disk_backlog_gate",
-                "load_failure_policy",
+                "gate_balance", "load_failure_policy",
                 "disk_min_prefix_tokens", "min_store_prefix_tokens"):
         text = O.GLUE_DEFAULTS[key].strip("`")
         want = shown.get(text, int(text) if text.isdigit() else text)

@@ -226,8 +226,12 @@ class SchedulerSide:
         self.queue_model: QueueModel | None = None
         #: ``disk_backlog_gate``: the table's recompute times and disk bandwidth
         self.backlog_model: QueueModel | None = None
-        #: queue-aware preload: scheduled requests still in prefill (req id -> request)
-        self._prefilling: dict[str, Request] = {}
+        #: ``gate_balance``: the same model, the GPU's queue weighed beside the disk's
+        self.balance_model: QueueModel | None = None
+        #: queue-aware preload and ``gate_balance``: scheduled requests still in prefill
+        #: (req id -> (request, first token it computes: the tokens of an external load
+        #: are not GPU work))
+        self._prefilling: dict[str, tuple[Request, int]] = {}
         #: the gate's last decision per waiting request, counted once it is scheduled
         self._gate_decisions: dict[str, tuple[tuple[str, bool], ...]] = {}
         #: requests shorter than this write no files (``disk_min_prefix_tokens``)
@@ -295,7 +299,15 @@ class SchedulerSide:
         if gate is None:
             return
         self.manager.extra_counters = gate.counters  # reported with the stats
-        if opts.disk_backlog_gate and not gate.never("disk"):
+        if opts.gate_balance:
+            self.balance_model = _queue_model(gate, path, "gate_balance")
+            if self.balance_model is not None:
+                gate.counters.update(gate_accepted_balance=0, gate_refused_balance=0)
+                log.info("py-kvcache: gate_balance on: a disk prefix is read when the "
+                         "disk finishes it before the GPU's queue and its recompute would")
+        if opts.disk_backlog_gate and self.balance_model is not None:
+            log.info("py-kvcache: disk_backlog_gate is implied by gate_balance")
+        elif opts.disk_backlog_gate and not gate.never("disk"):
             self.backlog_model = _queue_model(gate, path, "disk_backlog_gate")
             if self.backlog_model is not None:
                 gate.counters.update(gate_accepted_backlog=0, gate_refused_backlog=0)
@@ -309,7 +321,7 @@ class SchedulerSide:
         if self.queue_model is not None:
             log.info("py-kvcache: queue-aware preload on: disk prefixes the gate "
                      "refuses on demand are preloaded when the queue leaves time")
-        elif gate.never("disk"):
+        elif gate.never("disk") and self.balance_model is None:
             # Disk loads are always refused on this node: writing files would only
             # slow the requests that store (and preloading them is wasted I/O).
             self.manager.disk_stores = False
@@ -436,7 +448,12 @@ class SchedulerSide:
         manager, rid = self.manager, request.request_id
         tier = manager.lookup_tier()
         refused: tuple[str, bool] = (tier, False)
-        if gate.passes(tier, num_computed_tokens + n):
+        if tier == "disk" and self.balance_model is not None:
+            if self._disk_first(num_computed_tokens, n):
+                self._gate_decisions[rid] = (("balance", True),)
+                return found
+            refused = ("balance", False)
+        elif gate.passes(tier, num_computed_tokens + n):
             if tier != "disk" or self.backlog_model is None:
                 self._gate_decisions[rid] = ((tier, True),)
                 return found
@@ -456,6 +473,25 @@ class SchedulerSide:
                 return m, True
         self._gate_decisions[rid] = (refused,)
         return 0, False
+
+    def _disk_first(self, num_computed_tokens: int, n: int) -> bool:
+        """``gate_balance``: whether the disk part of a prefix of ``n`` tokens after
+        ``num_computed_tokens`` arrives from disk no later than the GPU would have
+        recomputed it: the disk loads in flight (one chunk each) plus its own disk
+        chunks at the table's disk bandwidth, against the prefill still queued on the
+        GPU (:meth:`_prefill_left_s`) plus the table's recompute time of its tokens from
+        the first disk chunk on (the leading DRAM-tier or staged chunks load either way).
+        Scheduler thread; arithmetic over the requests in prefill."""
+        model, manager = self.balance_model, self.manager
+        assert model is not None
+        read_s = model.read_s((manager.disk_loads_in_flight + manager.lookup_disk_chunks())
+                              * manager.key_bytes)
+        tpc = self._single_tpc or self.group_configs[0].tokens_per_chunk
+        fast = manager.lookup_fast_chunks()[0]
+        start = min(num_computed_tokens + n, tpc * (num_computed_tokens // tpc + fast))
+        end = num_computed_tokens + n
+        gpu_s = self._prefill_left_s(model) + model.recompute_s(end) - model.recompute_s(start)
+        return read_s <= gpu_s
 
     def _disk_backlogged(self, num_computed_tokens: int, n: int) -> bool:
         """``disk_backlog_gate``: whether the disk part of a prefix of ``n`` tokens after
@@ -493,17 +529,18 @@ class SchedulerSide:
             assert self.gate is not None  # the queue model is the gate's table's
             admit = _QueueAdmission(self.gate, self.queue_model, self.manager.key_bytes,
                                     self.group_configs[0].tokens_per_chunk,
-                                    self._prefill_left_s())
+                                    self._prefill_left_s(self.queue_model))
         self._preload_plan += self.manager.plan_preloads(requests, self.group_configs,
                                                          self._preload_max, admit)
 
-    def _prefill_left_s(self) -> float:
-        """Expected compute time left of the scheduled requests still in prefill (the
-        queue-aware estimate of how long the head of the queue still waits)."""
-        m, left, done = self.queue_model, 0.0, []
-        assert m is not None
-        for rid, r in self._prefilling.items():
-            n, c = r.num_prompt_tokens, r.num_computed_tokens
+    def _prefill_left_s(self, m: QueueModel) -> float:
+        """Expected compute time left, by ``m``'s recompute times, of the scheduled
+        requests still in prefill (how long a request scheduled now waits for the GPU);
+        the tokens a request loads from outside count as no GPU work. Forgets the
+        requests whose prefill is done. Scheduler thread."""
+        left, done = 0.0, []
+        for rid, (r, first) in self._prefilling.items():
+            n, c = r.num_prompt_tokens, max(r.num_computed_tokens, first)
             if c >= n:
                 done.append(rid)
                 continue
@@ -513,14 +550,16 @@ class SchedulerSide:
         return left
 
     # ------------------------------------------------------------------ request life
-    def after_alloc(self, request: Request) -> None:
-        """``request`` was scheduled (``update_state_after_alloc``): its gate decision
-        is counted, it joins the prefilling requests of the queue-aware estimate, and it
-        waits no more (``disk_load_hold_s``)."""
+    def after_alloc(self, request: Request, num_external_tokens: int = 0) -> None:
+        """``request`` was scheduled (``update_state_after_alloc``) with
+        ``num_external_tokens`` to load: its gate decision is counted, it joins the
+        prefilling requests of the queue-aware estimate and of ``gate_balance`` (from the
+        first token it computes), and it waits no more (``disk_load_hold_s``)."""
         if self._holds:
             self._holds.pop(request.request_id, None)
-        if self.queue_model is not None:
-            self._prefilling[request.request_id] = request
+        if self.queue_model is not None or self.balance_model is not None:
+            self._prefilling[request.request_id] = (
+                request, request.num_computed_tokens + num_external_tokens)
         if self._gate_decisions:
             decisions = self._gate_decisions.pop(request.request_id, ())
             if decisions:

@@ -205,6 +205,16 @@ GATE_COUNTERS: dict[str, str] = {
     f"gate_{a}_{t}": f"Break-even gate: requests whose {t}-tier prefix was "
     f"{'loaded' if a == 'accepted' else 'refused (recomputed)'}."
     for a in ("accepted", "refused") for t in GATE_TIERS}
+GATE_COUNTERS.update({
+    "gate_accepted_backlog": "disk_backlog_gate: requests whose disk prefix was read "
+    "because the disk loads in flight still left it faster than recompute.",
+    "gate_refused_backlog": "disk_backlog_gate: requests whose disk prefix was recomputed "
+    "because the disk loads in flight made it slower than recompute.",
+    "gate_accepted_balance": "gate_balance: requests whose disk prefix was read because "
+    "the disk finished it before the GPU's queue and its recompute would.",
+    "gate_refused_balance": "gate_balance: requests whose disk prefix was recomputed "
+    "because the GPU finished it first.",
+})
 #: Counters reported by the workers (summed over ranks).
 WORKER_COUNTERS: dict[str, str] = {
     "chunks_loaded_dram": "Worker: chunks copied to the device from a DRAM-tier slot.",

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from kvcache_core.breakeven import BreakevenTable
+from kvcache_core.vllm.manager import GATE_COUNTERS
 
 from . import helpers as H
 
@@ -161,3 +162,63 @@ def test_disk_backlog_gate_weighs_reads_in_flight_against_recompute(
     assert s2["gate_accepted_backlog"] == s1["gate_accepted_backlog"] + 1, s2
     assert s2["chunks_loaded_disk"] == s1["chunks_loaded_disk"] + 3, s2
     assert s2["load_failures"] == 0, s2
+    assert {k for k in s2 if k.startswith("gate_")} <= set(GATE_COUNTERS), s2
+
+
+class _Prefilling:
+    """Stand-in for a scheduled request still in prefill (what ``gate_balance`` weighs
+    as the GPU's queue): only the two token counts the estimate reads."""
+
+    def __init__(self, tokens: int) -> None:
+        self.num_prompt_tokens = tokens
+        self.num_computed_tokens = 0
+
+
+def test_gate_balance_sends_a_disk_prefix_to_whichever_finishes_first(
+        model_dir, workdir, reference, tmp_path):
+    """``gate_balance``: A (768 tokens, 3 blocks) on disk, a table whose disk tier never
+    wins idle (threshold null), recompute 0.1 s per 1,024 tokens, and a disk bandwidth at
+    which A's 3 blocks take 1 s. With an idle GPU the GPU finishes first: A is recomputed
+    (nothing read, gate_refused_balance). With 100k tokens of prefill queued on the GPU
+    (~9.8 s by the table) the disk finishes first: A loads from disk
+    (gate_accepted_balance) with the reference's tokens. The table's "never" does not turn
+    disk writes off: a new prompt still gets its files."""
+    root = os.path.join(workdir, "root_balance")
+    H.store_prompts(model_dir, root, ["A"])
+    t = BreakevenTable(gpu="cpu", model=os.path.basename(model_dir),
+                       thresholds={"dram": 0, "disk": None},
+                       bandwidths={"disk_read_gbps": 3 * H.FILE_BYTES / 1e9},
+                       measurements=[{"tokens": 1024, "recompute_s": 0.1}])
+    table = str(tmp_path / "table.json")
+    with open(table, "w") as f:
+        json.dump(t.to_json(), f)
+    llm = H.make_llm(model_dir, H.extra_config(root, breakeven_table=table,
+                                                gate_balance=True, preload_lookahead=0))
+    try:
+        sched = H.scheduler_connector(llm)._sched
+        mgr = H.manager(llm)
+        assert mgr.disk_stores, "a never-winning disk tier must keep writes with the balance"
+        out1 = H.generate(llm, H.PROMPTS["A"])
+        H.drain(llm)
+        s1 = mgr.stats()
+        H.reset_prefix_cache(llm)
+        sched._prefilling["queued"] = (_Prefilling(100_000), 0)
+        out2 = H.generate(llm, H.PROMPTS["A"])
+        H.drain(llm)
+        s2 = mgr.stats()
+        sched._prefilling.pop("queued", None)
+        before = H.cache_files(root)
+        out3 = H.generate(llm, H.PROMPTS["C"])
+        H.drain(llm)
+        after = H.cache_files(root)
+    finally:
+        H.shutdown(llm)
+    assert H.same_output(out1, reference["A"]) and out1["num_cached_tokens"] == 0, s1
+    assert s1["gate_refused_balance"] == 1 and s1["gate_accepted_balance"] == 0, s1
+    assert s1["chunks_loaded_disk"] == 0, s1
+    assert H.same_output(out2, reference["A"]) and out2["num_cached_tokens"] == 768, s2
+    assert s2["gate_accepted_balance"] == 1 and s2["chunks_loaded_disk"] == 3, s2
+    assert s2["load_failures"] == 0, s2
+    assert H.same_output(out3, reference["C"]) and len(after - before) >= 1
+    # every counter it reports is declared (vLLM's Prometheus logger asserts that)
+    assert {k for k in s2 if k.startswith("gate_")} <= set(GATE_COUNTERS), s2

@@ -41,6 +41,13 @@ def test_parse_extra_config_errors_name_the_key():
     assert O.parse_extra_config({**base, "breakeven_table": "t.json",
                                  "disk_backlog_gate": True}).disk_backlog_gate
     assert not O.parse_extra_config(base).disk_backlog_gate
+    with pytest.raises(ConfigError, match="'gate_balance'.*true or false"):
+        O.parse_extra_config({**base, "breakeven_table": "t.json", "gate_balance": "on"})
+    with pytest.raises(ConfigError, match="'gate_balance': needs 'breakeven_table'"):
+        O.parse_extra_config({**base, "gate_balance": True})
+    assert O.parse_extra_config({**base, "breakeven_table": "t.json",
+                                 "gate_balance": True}).gate_balance
+    assert not O.parse_extra_config(base).gate_balance
     with pytest.raises(ConfigError, match="'preload_protect'.*true or false"):
         O.parse_extra_config({**base, "preload_protect": "yes"})
     assert O.parse_extra_config({**base, "preload_protect": True}).preload_protect
