@@ -126,8 +126,12 @@ KEY_HELP: dict[str, str] = {
     "the blocks waiting for their file stay pinned in the DRAM tier until the reads end, "
     "and at the default 0.5 they left the H100 run's tier less than one of the documents "
     "the queued requests reused (read 14.7 GB; docs/results/cpu/dram-policy-sim-s27.md: "
-    "a tier below one document serves almost nothing). Not yet measured against a "
-    "same-call baseline.",
+    "a tier below one document serves almost nothing). Measured on the H200 (thirty-second "
+    "session, queued mixed 16 x 40k from equal disk contents): with "
+    "writeback_max_fraction=0.1, preload_protect and preload, 0.64x native tiered FS's "
+    "mean TTFT where the defaults were 1.09-1.19x (docs/operator-guide.md, 'Queued "
+    "long-context traffic'); not the default until the store-heavy workloads are "
+    "measured with it.",
     "disk_admission": "Which stored blocks get a file: 'all' (default: every stored block, "
     "written in the background) or 'reuse' (a block's first store keeps it in the DRAM "
     "tier only; its file is written once a request reads it from there, or when it is "
