@@ -449,7 +449,7 @@ class SchedulerSide:
         tier = manager.lookup_tier()
         refused: tuple[str, bool] = (tier, False)
         if tier == "disk" and self.balance_model is not None:
-            if self._disk_first(num_computed_tokens, n):
+            if self._disk_first(rid, num_computed_tokens, n):
                 self._gate_decisions[rid] = (("balance", True),)
                 return found
             refused = ("balance", False)
@@ -474,12 +474,13 @@ class SchedulerSide:
         self._gate_decisions[rid] = (refused,)
         return 0, False
 
-    def _disk_first(self, num_computed_tokens: int, n: int) -> bool:
+    def _disk_first(self, rid: str, num_computed_tokens: int, n: int) -> bool:
         """``gate_balance``: whether the disk part of a prefix of ``n`` tokens after
         ``num_computed_tokens`` arrives from disk no later than the GPU would have
         recomputed it: the disk loads in flight (one chunk each) plus its own disk
         chunks at the table's disk bandwidth, against the prefill still queued on the
-        GPU (:meth:`_prefill_left_s`) plus the table's recompute time of its tokens from
+        GPU (:meth:`_prefill_left_s`, without request ``rid`` itself: a preempted
+        request is still listed) plus the table's recompute time of its tokens from
         the first disk chunk on (the leading DRAM-tier or staged chunks load either way).
         Scheduler thread; arithmetic over the requests in prefill."""
         model, manager = self.balance_model, self.manager
@@ -490,7 +491,8 @@ class SchedulerSide:
         fast = manager.lookup_fast_chunks()[0]
         start = min(num_computed_tokens + n, tpc * (num_computed_tokens // tpc + fast))
         end = num_computed_tokens + n
-        gpu_s = self._prefill_left_s(model) + model.recompute_s(end) - model.recompute_s(start)
+        gpu_s = (self._prefill_left_s(model, rid) + model.recompute_s(end)
+                 - model.recompute_s(start))
         return read_s <= gpu_s
 
     def _disk_backlogged(self, num_computed_tokens: int, n: int) -> bool:
@@ -533,16 +535,18 @@ class SchedulerSide:
         self._preload_plan += self.manager.plan_preloads(requests, self.group_configs,
                                                          self._preload_max, admit)
 
-    def _prefill_left_s(self, m: QueueModel) -> float:
+    def _prefill_left_s(self, m: QueueModel, skip: str | None = None) -> float:
         """Expected compute time left, by ``m``'s recompute times, of the scheduled
-        requests still in prefill (how long a request scheduled now waits for the GPU);
-        the tokens a request loads from outside count as no GPU work. Forgets the
-        requests whose prefill is done. Scheduler thread."""
+        requests still in prefill other than ``skip`` (how long a request scheduled now
+        waits for the GPU); the tokens a request loads from outside count as no GPU work.
+        Forgets the requests whose prefill is done. Scheduler thread."""
         left, done = 0.0, []
         for rid, (r, first) in self._prefilling.items():
             n, c = r.num_prompt_tokens, max(r.num_computed_tokens, first)
             if c >= n:
                 done.append(rid)
+                continue
+            if rid == skip:
                 continue
             left += m.recompute_s(n) - m.recompute_s(c)
         for rid in done:

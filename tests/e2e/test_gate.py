@@ -181,8 +181,9 @@ def test_gate_balance_sends_a_disk_prefix_to_whichever_finishes_first(
     which A's 3 blocks take 1 s. With an idle GPU the GPU finishes first: A is recomputed
     (nothing read, gate_refused_balance). With 100k tokens of prefill queued on the GPU
     (~9.8 s by the table) the disk finishes first: A loads from disk
-    (gate_accepted_balance) with the reference's tokens. The table's "never" does not turn
-    disk writes off: a new prompt still gets its files."""
+    (gate_accepted_balance) with the reference's tokens; with 10 s of other reads queued
+    on the disk as well, the GPU again. The table's "never" does not turn disk writes
+    off: a new prompt still gets its files."""
     root = os.path.join(workdir, "root_balance")
     H.store_prompts(model_dir, root, ["A"])
     t = BreakevenTable(gpu="cpu", model=os.path.basename(model_dir),
@@ -206,6 +207,14 @@ def test_gate_balance_sends_a_disk_prefix_to_whichever_finishes_first(
         out2 = H.generate(llm, H.PROMPTS["A"])
         H.drain(llm)
         s2 = mgr.stats()
+        # the same GPU queue, but 30 chunks of other requests' reads ahead on the disk
+        # (10 s at the table's bandwidth, as slow reads still in flight would be): the
+        # GPU finishes first again
+        mgr.disk_loads_in_flight += 30
+        out_b = H.generate(llm, H.PROMPTS["A"])
+        H.drain(llm)
+        s_b = mgr.stats()
+        mgr.disk_loads_in_flight -= 30
         sched._prefilling.pop("queued", None)
         before = H.cache_files(root)
         out3 = H.generate(llm, H.PROMPTS["C"])
@@ -219,6 +228,8 @@ def test_gate_balance_sends_a_disk_prefix_to_whichever_finishes_first(
     assert H.same_output(out2, reference["A"]) and out2["num_cached_tokens"] == 768, s2
     assert s2["gate_accepted_balance"] == 1 and s2["chunks_loaded_disk"] == 3, s2
     assert s2["load_failures"] == 0, s2
+    assert H.same_output(out_b, reference["A"]) and out_b["num_cached_tokens"] == 0, s_b
+    assert s_b["gate_refused_balance"] == 2 and s_b["chunks_loaded_disk"] == 3, s_b
     assert H.same_output(out3, reference["C"]) and len(after - before) >= 1
     # every counter it reports is declared (vLLM's Prometheus logger asserts that)
     assert {k for k in s2 if k.startswith("gate_")} <= set(GATE_COUNTERS), s2
