@@ -346,7 +346,12 @@ def test_write_depth_reading_keeps_writes_behind_a_stuck_read(make_layout, wdr):
         assert wait_until(lambda: len(eng.held) >= 1, 10)  # the read is stuck
         ks = keys_of("wdr", 3)
         r.store("S", items(ks))
-        assert _acks(r, "S") == ["store_copied"]
+        acks = _acks(r, "S")
+        # acknowledged once copied; where writes may run beside the read (not 0) the
+        # files can be done, and their "store" completion seen, by the same poll
+        assert acks[0] == "store_copied", acks
+        if wdr == 0:
+            assert acks == ["store_copied"], acks
 
         def written() -> bool:
             return all(lay.exists(x) for x in ks)
