@@ -144,14 +144,14 @@ def write_md(path: str, doc: dict) -> None:
         fh.write("\n".join(lines) + "\n")
 
 
-def issue_rows(doc: dict) -> dict:
+def issue_rows(doc: dict, model: str) -> dict:
     """The report's rows in issue 10's ``preload-<model>.json`` schema, one per
     (call, step, config) in run order; ``call`` and ``variant`` say which compare."""
     keep = ("workload", "config", "tokens", "concurrency", "mean_ttft_s", "median_ttft_s",
             "p90_ttft_s", "mean_ttft_reuse_s", "mean_ttft_noreuse_s", "disk_read_bytes",
             "peak_staging_bytes", "staging_budget_bytes", "disk_reads_repeat", "vs_ref",
             "reuse_off_on")
-    return {"machine": doc["machine"], "model": doc["model"], "note": doc["note"],
+    return {"machine": doc["machine"], "model": model, "note": doc["note"],
             "results": [{"call": r["call"], "variant": r["label"],
                          **{k: r.get(k) for k in keep}} for r in doc["rows"]]}
 
@@ -214,10 +214,8 @@ def main() -> int:
     write_md(stem + ".md", doc)
     write_png(stem + ".png", doc)
     if a.issue_json:
-        issue = issue_rows(doc)
-        issue["model"] = a.issue_model or a.model
         with open(a.issue_json, "w") as fh:
-            json.dump(issue, fh, indent=1)
+            json.dump(issue_rows(doc, a.issue_model or a.model), fh, indent=1)
     print(open(stem + ".md").read())
     return 0
 

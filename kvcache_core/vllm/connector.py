@@ -233,7 +233,7 @@ class OffloadingConnector(_VllmOffloadingConnector):
         """``request`` got its blocks (it is scheduled): its gate decision is counted, and
         a synchronous DRAM load is completed in vLLM's scheduler (``dram_load_sync``)."""
         assert self._sched is not None
-        self._sched.after_alloc(request, num_external_tokens)
+        self._sched.after_alloc(request)
         super().update_state_after_alloc(
             request, self._sched.load_view(request, blocks, num_external_tokens),
             num_external_tokens)

@@ -229,9 +229,9 @@ class SchedulerSide:
         #: ``gate_balance``: the same model, the GPU's queue weighed beside the disk's
         self.balance_model: QueueModel | None = None
         #: queue-aware preload and ``gate_balance``: scheduled requests still in prefill
-        #: (req id -> (request, first token it computes: the tokens of an external load
-        #: are not GPU work))
-        self._prefilling: dict[str, tuple[Request, int]] = {}
+        #: (req id -> request; vLLM counts the tokens a request loads in its
+        #: ``num_computed_tokens`` from the step that schedules it: not GPU work)
+        self._prefilling: dict[str, Request] = {}
         #: the gate's last decision per waiting request, counted once it is scheduled
         self._gate_decisions: dict[str, tuple[tuple[str, bool], ...]] = {}
         #: requests shorter than this write no files (``disk_min_prefix_tokens``)
@@ -476,45 +476,44 @@ class SchedulerSide:
 
     def _disk_first(self, rid: str, num_computed_tokens: int, n: int) -> bool:
         """``gate_balance``: whether the disk part of a prefix of ``n`` tokens after
-        ``num_computed_tokens`` arrives from disk no later than the GPU would have
-        recomputed it: the disk loads in flight (one chunk each) plus its own disk
-        chunks at the table's disk bandwidth, against the prefill still queued on the
-        GPU (:meth:`_prefill_left_s`, without request ``rid`` itself: a preempted
-        request is still listed) plus the table's recompute time of its tokens from
-        the first disk chunk on (the leading DRAM-tier or staged chunks load either way).
-        Scheduler thread; arithmetic over the requests in prefill."""
-        model, manager = self.balance_model, self.manager
+        ``num_computed_tokens`` arrives from disk (:meth:`_read_and_recompute_s`) no
+        later than the GPU would have recomputed it after the prefill still queued on it
+        (:meth:`_prefill_left_s`, without request ``rid`` itself: a preempted request is
+        still listed). Scheduler thread; arithmetic over the requests in prefill."""
+        model = self.balance_model
         assert model is not None
+        read_s, recompute_s = self._read_and_recompute_s(model, num_computed_tokens, n)
+        return read_s <= self._prefill_left_s(model, rid) + recompute_s
+
+    def _disk_backlogged(self, num_computed_tokens: int, n: int) -> bool:
+        """``disk_backlog_gate``: whether the disk part of a prefix of ``n`` tokens after
+        ``num_computed_tokens`` would arrive later than the GPU recomputes it
+        (:meth:`_read_and_recompute_s`); False while no disk load is in flight (the
+        static gate already decided). Scheduler thread; arithmetic only."""
+        model = self.backlog_model
+        assert model is not None
+        if not self.manager.disk_loads_in_flight:
+            return False  # the disk is free: the static gate already decided
+        read_s, recompute_s = self._read_and_recompute_s(model, num_computed_tokens, n)
+        return read_s > recompute_s
+
+    def _read_and_recompute_s(self, model: QueueModel, num_computed_tokens: int,
+                              n: int) -> tuple[float, float]:
+        """By ``model`` (the table), for the last lookup's prefix of ``n`` tokens after
+        ``num_computed_tokens`` (:meth:`PyKVCacheManager.lookup_disk_chunks` chunks from
+        disk, its leading ``lookup_fast_chunks`` in host memory): when its disk part
+        would be read, the disk loads in flight (every request's, one chunk each,
+        ``disk_loads_in_flight``) plus its own at the table's disk bandwidth; and the
+        recompute time of its tokens after the leading host-memory chunks (those load
+        either way). Scheduler thread; arithmetic only."""
+        manager = self.manager
         read_s = model.read_s((manager.disk_loads_in_flight + manager.lookup_disk_chunks())
                               * manager.key_bytes)
         tpc = self._single_tpc or self.group_configs[0].tokens_per_chunk
         fast = manager.lookup_fast_chunks()[0]
         start = min(num_computed_tokens + n, tpc * (num_computed_tokens // tpc + fast))
         end = num_computed_tokens + n
-        gpu_s = (self._prefill_left_s(model, rid) + model.recompute_s(end)
-                 - model.recompute_s(start))
-        return read_s <= gpu_s
-
-    def _disk_backlogged(self, num_computed_tokens: int, n: int) -> bool:
-        """``disk_backlog_gate``: whether the disk part of a prefix of ``n`` tokens after
-        ``num_computed_tokens`` (the last lookup's: :meth:`PyKVCacheManager.lookup_disk_chunks`
-        chunks from disk, its leading ``lookup_fast_chunks`` in host memory) would arrive
-        later than the GPU recomputes it: the disk loads in flight (every request's, one
-        chunk each, ``disk_loads_in_flight``) plus its own, at the table's disk bandwidth,
-        against the table's recompute time of the tokens after the leading host-memory
-        chunks. Scheduler thread; arithmetic only."""
-        model, manager = self.backlog_model, self.manager
-        assert model is not None
-        backlog = manager.disk_loads_in_flight
-        if not backlog:
-            return False  # the disk is free: the static gate already decided
-        kb = manager.key_bytes
-        read_s = model.read_s((backlog + manager.lookup_disk_chunks()) * kb)
-        tpc = self._single_tpc or self.group_configs[0].tokens_per_chunk
-        fast = manager.lookup_fast_chunks()[0]
-        start = min(num_computed_tokens + n, tpc * (num_computed_tokens // tpc + fast))
-        end = num_computed_tokens + n
-        return read_s > model.recompute_s(end) - model.recompute_s(start)
+        return read_s, model.recompute_s(end) - model.recompute_s(start)
 
     # ------------------------------------------------------------------ preload (R8)
     def on_preload_candidates(self, requests: list[Request]) -> None:
@@ -541,8 +540,8 @@ class SchedulerSide:
         waits for the GPU); the tokens a request loads from outside count as no GPU work.
         Forgets the requests whose prefill is done. Scheduler thread."""
         left, done = 0.0, []
-        for rid, (r, first) in self._prefilling.items():
-            n, c = r.num_prompt_tokens, max(r.num_computed_tokens, first)
+        for rid, r in self._prefilling.items():
+            n, c = r.num_prompt_tokens, r.num_computed_tokens
             if c >= n:
                 done.append(rid)
                 continue
@@ -554,16 +553,14 @@ class SchedulerSide:
         return left
 
     # ------------------------------------------------------------------ request life
-    def after_alloc(self, request: Request, num_external_tokens: int = 0) -> None:
-        """``request`` was scheduled (``update_state_after_alloc``) with
-        ``num_external_tokens`` to load: its gate decision is counted, it joins the
-        prefilling requests of the queue-aware estimate and of ``gate_balance`` (from the
-        first token it computes), and it waits no more (``disk_load_hold_s``)."""
+    def after_alloc(self, request: Request) -> None:
+        """``request`` was scheduled (``update_state_after_alloc``): its gate decision
+        is counted, it joins the prefilling requests of the queue-aware estimate and of
+        ``gate_balance``, and it waits no more (``disk_load_hold_s``)."""
         if self._holds:
             self._holds.pop(request.request_id, None)
         if self.queue_model is not None or self.balance_model is not None:
-            self._prefilling[request.request_id] = (
-                request, request.num_computed_tokens + num_external_tokens)
+            self._prefilling[request.request_id] = request
         if self._gate_decisions:
             decisions = self._gate_decisions.pop(request.request_id, ())
             if decisions:

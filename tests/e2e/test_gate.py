@@ -203,7 +203,7 @@ def test_gate_balance_sends_a_disk_prefix_to_whichever_finishes_first(
         H.drain(llm)
         s1 = mgr.stats()
         H.reset_prefix_cache(llm)
-        sched._prefilling["queued"] = (_Prefilling(100_000), 0)
+        sched._prefilling["queued"] = _Prefilling(100_000)
         out2 = H.generate(llm, H.PROMPTS["A"])
         H.drain(llm)
         s2 = mgr.stats()
