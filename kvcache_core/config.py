@@ -99,7 +99,17 @@ KEY_HELP: dict[str, str] = {
     "files are still being written (write-back). Beyond it a new store still fills a "
     "DRAM-tier slot but writes no file (counted as stores_writeback_full), so a disk that "
     "falls behind never pins the tier with pending writes and disk hits can still be "
-    "promoted into it. 0 < value <= 1.",
+    "promoted into it. 0 < value <= 1. Default 0.1 (0.5 until the thirty-third session): "
+    "with write_depth_reading 'auto' (no new files while loads read) it keeps the blocks "
+    "that wait for their file from crowding out the blocks queued requests read; measured "
+    "on the queued mixed 16 x 40k (0.49-0.64x native tiered FS's mean TTFT on an H100 and "
+    "an H200), the SCBench-like loop (mean TTFT 2.02 against 3.31 s, 5.2 against 30.2 GB "
+    "read) and issue 9's storing requests and DRAM hits (no loss; "
+    "docs/results/h200/README.md). Its cost: when stores outrun the disk, more blocks "
+    "stay in the DRAM tier without a file (stores_writeback_full; a 64k storing request "
+    "wrote 270 of 512 files against 335), so an evicted block is a recompute rather than "
+    "a disk hit, also for other instances sharing root_dir. Set 0.5 (or writeback_flush) "
+    "where files matter more than the load path.",
     "writeback_flush": "Write such DRAM-only blocks (see writeback_max_fraction) to disk "
     "later, oldest first, whenever the write-back has room again, so that a block evicted "
     "from the DRAM tier is still a disk hit (for this and every other instance sharing "
@@ -115,8 +125,10 @@ KEY_HELP: dict[str, str] = {
     "storing requests (scripts/h200_runs.sh vab; the env KVCACHE_WRITEBACK_DEFER_MS of "
     "older runs does the same when this key is 0). 0..10.",
     "write_depth_reading": "Most write-back files started while the reactor reads (an "
-    "on-demand load or a preload waiting or in flight): 'auto' (default) = the usual write "
-    "depth, io_depth // 2 in serving; 0 starts none until the reads are done; 1..io_depth "
+    "on-demand load or a preload waiting or in flight): 'auto' (default) = 0 with a DRAM "
+    "tier (dram_cache_bytes > 0; since the thirty-third session), else the usual write "
+    "depth, io_depth // 2 in serving (without a tier the pending writes would hold the "
+    "staging pool and drop stores); 0 starts none until the reads are done; 1..io_depth "
     "caps them. On a disk that both reads loads and writes stores, the reads of waiting "
     "requests then get the disk's bandwidth and the writes wait (the DRAM tier holds their "
     "blocks; past writeback_max_fraction new stores keep no file, as when the disk is "
@@ -130,8 +142,9 @@ KEY_HELP: dict[str, str] = {
     "session, queued mixed 16 x 40k from equal disk contents): with "
     "writeback_max_fraction=0.1, preload_protect and preload, 0.64x native tiered FS's "
     "mean TTFT where the defaults were 1.09-1.19x (docs/operator-guide.md, 'Queued "
-    "long-context traffic'); not the default until the store-heavy workloads are "
-    "measured with it.",
+    "long-context traffic'); on an H100 (thirty-third session) 0.49-0.56x, with no loss "
+    "on issue 9's storing requests and DRAM hits and a win on the SCBench-like loop: the "
+    "default since then, with writeback_max_fraction 0.1.",
     "disk_admission": "Which stored blocks get a file: 'all' (default: every stored block, "
     "written in the background) or 'reuse' (a block's first store keeps it in the DRAM "
     "tier only; its file is written once a request reads it from there, or when it is "
@@ -233,7 +246,7 @@ class StorageConfig:
     copy_headroom: int = 4
     dram_cache_bytes: int = 0
     eviction_policy: str = "lru-admit"
-    writeback_max_fraction: float = 0.5
+    writeback_max_fraction: float = 0.1
     writeback_flush: bool = False
     writeback_defer_s: float = 0.0
     write_depth_reading: int | str = "auto"
@@ -369,6 +382,17 @@ class StorageConfig:
         if not isinstance(d, dict):
             raise ConfigError("py-kvcache: config must be a JSON object")
         return cls.from_dict(d)
+
+
+def write_depth_reading_of(storage: StorageConfig) -> int | None:
+    """The reactor's ``write_depth_reading`` for ``storage`` (None: its write depth).
+    ``"auto"`` resolves to 0 with a DRAM tier, whose slots hold the blocks waiting for
+    their files while loads read, and to None without one, where pending writes would
+    hold the bounded staging pool and stores would be dropped instead."""
+    wdr = storage.write_depth_reading
+    if wdr == "auto":
+        return 0 if storage.dram_cache_bytes > 0 else None
+    return int(wdr)
 
 
 def _shown(key: str, value: Any) -> str:

@@ -207,9 +207,9 @@ class SchedulerSide:
         self._preload_max: int = opts.preload_max_blocks
         #: ``preload_protect``: the waiting requests' DRAM-tier blocks are evicted last
         #: (needs the patched scheduler's per-step call, so preload_lookahead > 0)
-        self._protect: bool = (opts.preload_protect and self.preload_lookahead > 0
-                               and manager.dram is not None)
-        if opts.preload_protect and not self._protect:
+        self._protect: bool = (opts.preload_protect in (True, "auto")
+                               and self.preload_lookahead > 0 and manager.dram is not None)
+        if opts.preload_protect is True and not self._protect:
             log.warning("py-kvcache: preload_protect needs preload_lookahead > 0 and a "
                         "DRAM tier (dram_cache_bytes > 0): off")
         #: whether the waiting requests' disk blocks are read ahead (False when the
@@ -232,6 +232,9 @@ class SchedulerSide:
         #: (req id -> request; vLLM counts the tokens a request loads in its
         #: ``num_computed_tokens`` from the step that schedules it: not GPU work)
         self._prefilling: dict[str, Request] = {}
+        #: ``gate_balance``: ids of the waiting requests in view at the last preload call
+        #: (scheduling order; the patched scheduler's first ``preload_lookahead``)
+        self._waiting_ids: list[str] = []
         #: the gate's last decision per waiting request, counted once it is scheduled
         self._gate_decisions: dict[str, tuple[tuple[str, bool], ...]] = {}
         #: requests shorter than this write no files (``disk_min_prefix_tokens``)
@@ -475,15 +478,37 @@ class SchedulerSide:
         return 0, False
 
     def _disk_first(self, rid: str, num_computed_tokens: int, n: int) -> bool:
-        """``gate_balance``: whether the disk part of a prefix of ``n`` tokens after
-        ``num_computed_tokens`` arrives from disk (:meth:`_read_and_recompute_s`) no
-        later than the GPU would have recomputed it after the prefill still queued on it
-        (:meth:`_prefill_left_s`, without request ``rid`` itself: a preempted request is
-        still listed). Scheduler thread; arithmetic over the requests in prefill."""
+        """``gate_balance``: whether reading the disk part of a prefix of ``n`` tokens
+        after ``num_computed_tokens`` costs the queue less time than recomputing it.
+
+        Reading it, the request has its prefix when the disk delivers it
+        (:meth:`_read_and_recompute_s`: the loads in flight plus its own); recomputing,
+        when the GPU has done the prefill still queued on it (:meth:`_prefill_left_s`,
+        without ``rid`` itself: a preempted request is still listed) plus its recompute
+        ``g``, and each of the ``k`` waiting requests in view behind it
+        (:meth:`_waiting_behind`) waits ``g`` longer for the GPU. The disk wins when
+        ``read <= prefill_left + (k + 1) * g`` (the sum of the waits: an exchange
+        argument over the two servers). ``k`` matters because vLLM admits a waiting
+        request only in a step with token budget left, i.e. when the GPU is about to be
+        free: the prefill queued on it is then near 0 and, by its own finish time alone,
+        every request would recompute (thirty-third session: 9-11 of 9-11 disk prefixes
+        recomputed, 1.26-1.30x slower than reading them). Scheduler thread."""
         model = self.balance_model
         assert model is not None
         read_s, recompute_s = self._read_and_recompute_s(model, num_computed_tokens, n)
-        return read_s <= self._prefill_left_s(model, rid) + recompute_s
+        gpu_s = self._prefill_left_s(model, rid) + (self._waiting_behind(rid) + 1) * recompute_s
+        return read_s <= gpu_s
+
+    def _waiting_behind(self, rid: str) -> int:
+        """How many waiting requests in view (the last :meth:`on_preload_candidates`
+        call's) wait behind request ``rid``: those after it in scheduling order, or all
+        of them when it is not in view (it arrived since). 0 without the patched
+        scheduler's call or with ``preload_lookahead`` 0. Scheduler thread."""
+        ids = self._waiting_ids
+        try:
+            return len(ids) - ids.index(rid) - 1
+        except ValueError:
+            return len(ids)
 
     def _disk_backlogged(self, num_computed_tokens: int, n: int) -> bool:
         """``disk_backlog_gate``: whether the disk part of a prefix of ``n`` tokens after
@@ -520,6 +545,8 @@ class SchedulerSide:
         """Once per step (patched vLLM), before the metadata is built: plan preloads for
         the first ``preload_lookahead`` waiting ``requests`` (scheduling order); with
         ``preload_protect``, their DRAM-tier blocks become the last to be evicted first."""
+        if self.balance_model is not None:
+            self._waiting_ids = [r.request_id for r in requests]
         if self._protect:
             self.manager.protect_queue(requests, self.group_configs)
             self._ranked = True

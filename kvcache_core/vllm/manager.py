@@ -360,7 +360,7 @@ class PyKVCacheManager(OffloadingManager):
 
     def __init__(self, root_dir: str, namespaces: Sequence[Namespace], n_dram: int,
                  eviction_policy: str = "lru", enable_events: bool = False,
-                 writeback_max_fraction: float = 0.5, writeback_flush: bool = False,
+                 writeback_max_fraction: float = 0.1, writeback_flush: bool = False,
                  lookup_cache_s: float = 0.0, disk_admission: str = "all") -> None:
         if disk_admission not in DISK_ADMISSIONS:
             raise ValueError(f"disk_admission must be one of {DISK_ADMISSIONS}, got "

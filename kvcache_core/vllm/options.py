@@ -135,12 +135,15 @@ GLUE_KEY_HELP: dict[str, str] = {
     "only: counter dram_queue_refused). Belady's choice over the part of the future the "
     "scheduler can see. Order only: nothing counts as a reuse (with "
     "eviction_policy 'arc', the order within each of its two lists). Stays on "
-    "when the break-even table turns preloads off (then nothing is read ahead). Default "
-    "false: aimed at the queued mixed workload where two documents share a DRAM tier that "
-    "holds 1.3 of them (twenty-sixth session). On the H200 (thirty-second session), with "
-    "write_depth_reading=0 and writeback_max_fraction=0.1, preload with it cut the reusing "
-    "requests' mean TTFT 1.61x against the same keys without preload (one call); not "
-    "measured alone.",
+    "when the break-even table turns preloads off (then nothing is read ahead). 'auto' "
+    "(default since the thirty-third session; false before) = on wherever it can work "
+    "(preload_lookahead > 0 and a DRAM tier), silently off elsewhere; true = on, with a "
+    "warning where it cannot work; false = off. Aimed at queued requests that share a "
+    "DRAM tier too small for all their prefixes. With write_depth_reading=0 and "
+    "writeback_max_fraction=0.1 (the defaults now), preload with it cut the reusing "
+    "requests' mean TTFT 1.61x (H200, preload off first) and 1.80x (H100, preload on "
+    "first) against the same keys without preload, on the queued mixed 16 x 40k "
+    "(docs/results/h200/README.md); not measured alone.",
     "disk_load_hold_s": "Seconds (0 = off, the default; at most 3600). A waiting request "
     "whose reusable prefix must be read from disk, and that the break-even gate (if any) "
     "lets load, waits while another request's disk load is in flight, for at most this "
@@ -197,7 +200,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "preload_max_blocks": "64", "breakeven_table": "-", "disk_min_prefix_tokens": "`auto`",
     "min_store_prefix_tokens": "`auto`",
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
-    "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`", "preload_protect": "false",
+    "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`", "preload_protect": "`auto`",
     "disk_load_hold_s": "0", "disk_backlog_gate": "false", "gate_balance": "false",
 }
 
@@ -227,8 +230,9 @@ class VllmOptions:
     disk_backlog_gate: bool = False
     #: each disk prefix to whichever finishes it first, the disk or the GPU's queue
     gate_balance: bool = False
-    #: DRAM-tier blocks of the waiting requests in view are evicted last (queue order)
-    preload_protect: bool = False
+    #: DRAM-tier blocks of the waiting requests in view are evicted last (queue order):
+    #: True, False, or "auto" (on wherever preload and a DRAM tier let it work)
+    preload_protect: bool | str = "auto"
     #: int, or "auto" (resolved by the connector from the break-even table)
     disk_min_prefix_tokens: int | str = "auto"
     #: int, or "auto" (resolved by the connector from the break-even table)
@@ -319,8 +323,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     qa, bg, gb = (_table_switch(ex, key, bt) for key in ("queue_aware_preload",
                                                          "disk_backlog_gate",
                                                          "gate_balance"))
-    pp = ex.get("preload_protect", False)
-    _need(isinstance(pp, bool), "preload_protect", "must be true or false", pp)
+    pp = ex.get("preload_protect", "auto")
+    _need(isinstance(pp, bool) or pp == "auto", "preload_protect",
+          "must be true, false or 'auto'", pp)
     dm = ex.get("disk_min_prefix_tokens", "auto")
     _need(dm == "auto" or (isinstance(dm, int) and not isinstance(dm, bool) and dm >= 0),
           "disk_min_prefix_tokens", "must be an integer >= 0 or 'auto'", dm)

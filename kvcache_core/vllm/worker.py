@@ -60,7 +60,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from ..config import StorageConfig
+from ..config import StorageConfig, write_depth_reading_of
 from ..flags import FLUSH, IN_SLOT, NO_DISK
 from ..layout import Layout, Namespace
 from ..reactor import Completion, Item, Reactor
@@ -130,8 +130,7 @@ class PyKVCacheWorker(OffloadingWorker):
                 store_copy_wait=storage.store_copy_wait,
                 writeback_defer_s=float(storage.writeback_defer_s),
                 spec_depth=storage.preload_depth,
-                write_depth_reading=(None if storage.write_depth_reading == "auto"
-                                     else int(storage.write_depth_reading)))
+                write_depth_reading=write_depth_reading_of(storage))
         except BaseException:
             self.layout.close()
             raise

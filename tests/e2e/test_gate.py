@@ -182,8 +182,9 @@ def test_gate_balance_sends_a_disk_prefix_to_whichever_finishes_first(
     (nothing read, gate_refused_balance). With 100k tokens of prefill queued on the GPU
     (~9.8 s by the table) the disk finishes first: A loads from disk
     (gate_accepted_balance) with the reference's tokens; with 10 s of other reads queued
-    on the disk as well, the GPU again. The table's "never" does not turn disk writes
-    off: a new prompt still gets its files."""
+    on the disk as well, the GPU again. With an idle GPU but 20 waiting requests in view
+    behind A, each of which its recompute would delay, the disk; with 10, the GPU. The
+    table's "never" does not turn disk writes off: a new prompt still gets its files."""
     root = os.path.join(workdir, "root_balance")
     H.store_prompts(model_dir, root, ["A"])
     t = BreakevenTable(gpu="cpu", model=os.path.basename(model_dir),
@@ -216,6 +217,19 @@ def test_gate_balance_sends_a_disk_prefix_to_whichever_finishes_first(
         s_b = mgr.stats()
         mgr.disk_loads_in_flight -= 30
         sched._prefilling.pop("queued", None)
+        # nothing queued on the GPU, but 20 waiting requests in view behind A (the
+        # patched scheduler's list; A itself not in it): recomputing A would make each
+        # of them wait its 0.075 s, 21 x 0.075 s > the 1 s read: the disk
+        sched._waiting_ids = [f"waiting-{i}" for i in range(20)]
+        out_w = H.generate(llm, H.PROMPTS["A"])
+        H.drain(llm)
+        s_w = mgr.stats()
+        # 10 behind: 11 x 0.075 s < 1 s, the GPU
+        sched._waiting_ids = [f"waiting-{i}" for i in range(10)]
+        out_w10 = H.generate(llm, H.PROMPTS["A"])
+        H.drain(llm)
+        s_w10 = mgr.stats()
+        sched._waiting_ids = []
         before = H.cache_files(root)
         out3 = H.generate(llm, H.PROMPTS["C"])
         H.drain(llm)
@@ -230,6 +244,10 @@ def test_gate_balance_sends_a_disk_prefix_to_whichever_finishes_first(
     assert s2["load_failures"] == 0, s2
     assert H.same_output(out_b, reference["A"]) and out_b["num_cached_tokens"] == 0, s_b
     assert s_b["gate_refused_balance"] == 2 and s_b["chunks_loaded_disk"] == 3, s_b
+    assert H.same_output(out_w, reference["A"]) and out_w["num_cached_tokens"] == 768, s_w
+    assert s_w["gate_accepted_balance"] == 2 and s_w["chunks_loaded_disk"] == 6, s_w
+    assert H.same_output(out_w10, reference["A"]) and out_w10["num_cached_tokens"] == 0
+    assert s_w10["gate_refused_balance"] == 3 and s_w10["chunks_loaded_disk"] == 6, s_w10
     assert H.same_output(out3, reference["C"]) and len(after - before) >= 1
     # every counter it reports is declared (vLLM's Prometheus logger asserts that)
     assert {k for k in s2 if k.startswith("gate_")} <= set(GATE_COUNTERS), s2

@@ -48,10 +48,12 @@ def test_parse_extra_config_errors_name_the_key():
     assert O.parse_extra_config({**base, "breakeven_table": "t.json",
                                  "gate_balance": True}).gate_balance
     assert not O.parse_extra_config(base).gate_balance
-    with pytest.raises(ConfigError, match="'preload_protect'.*true or false"):
-        O.parse_extra_config({**base, "preload_protect": "yes"})
-    assert O.parse_extra_config({**base, "preload_protect": True}).preload_protect
-    assert not O.parse_extra_config(base).preload_protect
+    for bad in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="'preload_protect'.*true, false or 'auto'"):
+            O.parse_extra_config({**base, "preload_protect": bad})
+    assert O.parse_extra_config({**base, "preload_protect": True}).preload_protect is True
+    assert O.parse_extra_config({**base, "preload_protect": False}).preload_protect is False
+    assert O.parse_extra_config(base).preload_protect == "auto"
     for bad in (-1, 3601, "30", True, float("nan"), None):
         with pytest.raises(ConfigError, match="'disk_load_hold_s'.*0..3600"):
             O.parse_extra_config({**base, "disk_load_hold_s": bad})
