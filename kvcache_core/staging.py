@@ -186,6 +186,8 @@ class SlotAllocator:
         self.index: dict[Hashable, int] = {}
         self.policy = make_policy(policy, n_slots)
         self.busy = 0
+        #: CACHED slots with at least one pin (readers): not reclaimable until unpinned
+        self.pinned = 0
         self.peak_busy = 0
         self.reclaimed = 0
         self.refused_speculative = 0
@@ -198,6 +200,12 @@ class SlotAllocator:
     @property
     def cached(self) -> int:
         return len(self.index)
+
+    @property
+    def acquirable(self) -> int:
+        """Slots a FOREGROUND :meth:`acquire` could get now, one after another (free or
+        cached and unpinned); O(1)."""
+        return self.n_slots - self.busy - self.pinned
 
     def _unpinned_cached(self, key: Hashable) -> bool:
         return self.pins[self.index[key]] == 0
@@ -273,6 +281,8 @@ class SlotAllocator:
         not a use (e.g. a disk write still reading the slot)."""
         slot = self.index.get(key, -1)
         if slot >= 0:
+            if not self.pins[slot]:
+                self.pinned += 1
             self.pins[slot] += 1
             if touch:
                 self.policy.hit(key)
@@ -282,6 +292,8 @@ class SlotAllocator:
         if self.pins[slot] <= 0:
             raise RuntimeError(f"unpin of slot {slot} that is not pinned")
         self.pins[slot] -= 1
+        if not self.pins[slot]:
+            self.pinned -= 1
 
     def drop(self, key: Hashable) -> bool:
         """Forget a cached key (its slot becomes FREE unless pinned). Returns True if freed."""
@@ -311,6 +323,7 @@ class SlotAllocator:
         for s in range(self.n_slots):
             assert (self.owner[s] >= 0) == (self.state[s] == SlotState.BUSY)
             assert self.pins[s] == 0 or self.state[s] == SlotState.CACHED
+        assert self.pinned == sum(1 for p in self.pins if p)
 
 
 def cuda_available() -> bool:

@@ -255,6 +255,8 @@ class SchedulerSide:
         #: deadline of its wait, or -1.0 once the deadline passed (it then loads); the
         #: manager's ``load_epoch`` when it was last held)
         self.hold_s: float = opts.disk_load_hold_s
+        #: ``disk_load_hold_when`` "no_slot": hold only while the DRAM tier has no room
+        self._hold_no_slot: bool = opts.disk_load_hold_when == "no_slot"
         self._holds: dict[str, tuple[float, int]] = {}
         self._num_workers: int = int(cs.config.num_workers)
         if self.dram_load_sync:
@@ -404,12 +406,16 @@ class SchedulerSide:
         the gate ``result``, waits this step. It waits when the gate let it load its
         whole prefix, part of which must come from disk, while another request's disk
         load is in flight (the manager's ``disk_loads_in_flight``; a waiting request has
-        none of its own), until ``hold_s`` after its first wait; from then on it loads.
+        none of its own) and, with ``disk_load_hold_when="no_slot"``, the DRAM tier
+        cannot take its disk chunks now (:meth:`PyKVCacheManager.dram_short`), until
+        ``hold_s`` after its first wait; from then on it loads.
         Scheduler thread."""
         n, m = result[0], self.manager
         if (not n or n != found[0] or not m.disk_loads_in_flight
                 or m.lookup_tier() != "disk"):
             return False
+        if self._hold_no_slot and not m.dram_short(m.lookup_disk_chunks()):
+            return False  # disk_load_hold_when="no_slot": the tier can take its chunks
         held = self._holds.get(rid)
         if held is None:
             self._holds[rid] = (time.monotonic() + self.hold_s, m.load_epoch)

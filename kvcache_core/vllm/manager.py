@@ -551,6 +551,16 @@ class PyKVCacheManager(OffloadingManager):
         DRAM tier nor staged): what the request would add to the disk's reads."""
         return self._lookup_disk_n
 
+    def dram_short(self, n: int) -> bool:
+        """Whether the DRAM tier cannot give ``n`` slots now (to promote ``n`` chunks read
+        from disk) but could once the jobs holding its slots release them: fewer than
+        ``n`` are acquirable, and ``n`` fits the tier. False without a tier or for
+        ``n <= 0``. Scheduler thread; O(1)."""
+        dram = self.dram
+        if dram is None or n <= 0 or n > dram.n_slots:
+            return False
+        return dram.acquirable < n
+
     def lookup_fast_chunks(self) -> tuple[int, str]:
         """(hit chunks since :meth:`begin_lookup` before the first one that must come from
         disk, their tier ``staged`` if any was staged by a preload else ``dram``): the part

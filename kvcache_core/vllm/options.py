@@ -55,7 +55,8 @@ GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookah
                                "preload_max_blocks", "breakeven_table", "queue_aware_preload",
                                "disk_min_prefix_tokens", "min_store_prefix_tokens",
                                "disk_lookup_cache_s", "dram_load_sync", "gpu_kv_layout",
-                               "preload_protect", "disk_load_hold_s", "disk_backlog_gate",
+                               "preload_protect", "disk_load_hold_s", "disk_load_hold_when",
+                               "disk_backlog_gate",
                                "gate_balance")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY, MODEL_IDENTITY_KEY)
 #: Public names from the design that this version does not implement: refusing them is
@@ -156,6 +157,16 @@ GLUE_KEY_HELP: dict[str, str] = {
     "waited), loads_hold_expired (waits cut by the limit). Off by default: on the H200's "
     "queued mixed workload (twenty-seventh session) it made reusing requests 9-31 % "
     "slower, that run's disk being busy the whole time (about half of it writes).",
+    "disk_load_hold_when": "Which waits disk_load_hold_s (> 0) makes: 'loading' (default) "
+    "= whenever another request's disk load is in flight (above); 'no_slot' = only when, "
+    "besides, the DRAM tier cannot take the request's disk chunks now (fewer acquirable "
+    "slots than chunks, the rest held by loads and stores in flight) and could once those "
+    "end (the chunks fit the tier). Without the wait such a request reads most of its "
+    "prefix through staging and keeps none of it, and the queued requests of the same "
+    "document read it again (thirty-third session, queued mixed 16 x 40k: 1.5x the "
+    "distinct bytes read); with it the request promotes its prefix into the tier once the "
+    "other document's loads end and the requests behind it join that read. Not yet "
+    "measured on a GPU.",
     "disk_backlog_gate": "With breakeven_table: a reusable prefix part of which must come "
     "from disk is read only while the disk can deliver it before the GPU would have "
     "recomputed it: the bytes of the disk loads already in flight plus its own disk "
@@ -167,21 +178,25 @@ GLUE_KEY_HELP: dict[str, str] = {
     "gate_accepted_backlog / gate_refused_backlog. Default false (not yet measured on a "
     "GPU).",
     "gate_balance": "With breakeven_table: a reusable prefix part of which must come from "
-    "disk goes to whichever finishes it first, judged when vLLM schedules the request: "
-    "the disk (the disk loads already in flight plus its own disk blocks, over the "
-    "table's disk_read_gbps) or the GPU (the prefill still to compute of the requests "
-    "already scheduled, by the table's recompute times, plus its own recompute from its "
-    "first disk block on). Replaces the table's static disk threshold (and "
-    "disk_backlog_gate, which is this with an idle GPU): on an idle node it decides as "
-    "the table does, but when requests queue for the GPU a disk load, which takes no GPU "
-    "time, is taken where recompute would make the queue wait longer. If the disk "
-    "loses, the leading DRAM-tier (or staged) blocks are still loaded when the gate "
-    "passes them alone. Keeps disk writes and preloads on where the table's disk tier "
-    "never wins idle. Counters gate_accepted_balance / gate_refused_balance. Default "
-    "false: aimed at the H200's queued mixed workload, where the table alone recomputed "
-    "12 of 14 reused 40k prefixes (0.73x native tiered FS's mean TTFT) and reading "
-    "them with write_depth_reading=0 did better (0.52x; thirty-second session); not yet "
-    "measured on a GPU.",
+    "disk is read or recomputed, whichever costs the queue less, judged when vLLM "
+    "schedules the request: the disk delivers it after the disk loads already in flight "
+    "plus its own disk blocks (over the table's disk_read_gbps); a recompute finishes "
+    "after the prefill still to compute of the requests already scheduled plus its own "
+    "recompute g from its first disk block on (the table's recompute times), and makes "
+    "each of the k waiting requests in view behind it (the patched scheduler's first "
+    "preload_lookahead) wait g longer: the disk is taken when its time <= prefill left + "
+    "(k + 1) x g. Replaces the table's static disk threshold (and disk_backlog_gate, "
+    "which is this with an idle GPU and no queue): on an idle node it decides as the "
+    "table does. If the disk loses, the leading DRAM-tier (or staged) blocks are still "
+    "loaded when the gate passes them alone. Keeps disk writes and preloads on where the "
+    "table's disk tier never wins idle. Counters gate_accepted_balance / "
+    "gate_refused_balance. Default false: aimed at queued long prompts on a disk that "
+    "loses to recompute idle (the H200's queued mixed workload: the table alone 0.73x "
+    "native tiered FS, reading with write_depth_reading=0 0.52x). On an H100 (thirty-third "
+    "session) its first version, without k, recomputed all 9-11 disk prefixes (vLLM "
+    "admits a waiting request only when the GPU is about to be free, so the prefill left "
+    "was near 0) and was 1.26-1.30x slower than reading them; with k not yet measured "
+    "on a GPU.",
     "queue_aware_preload": "With breakeven_table: also preload a waiting request's disk prefix "
     "that is too short (or on a disk too slow) to win when read on demand, if its expected "
     "queueing time (the table's recompute times of the requests ahead) covers the read "
@@ -201,8 +216,13 @@ GLUE_DEFAULTS: dict[str, str] = {
     "min_store_prefix_tokens": "`auto`",
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
     "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`", "preload_protect": "`auto`",
-    "disk_load_hold_s": "0", "disk_backlog_gate": "false", "gate_balance": "false",
+    "disk_load_hold_s": "0", "disk_load_hold_when": "`loading`",
+    "disk_backlog_gate": "false", "gate_balance": "false",
 }
+
+#: values of ``disk_load_hold_when``: wait behind any disk load in flight, or only while
+#: the DRAM tier has no room for the request's disk chunks
+HOLD_WHEN: tuple[str, ...] = ("loading", "no_slot")
 
 DEFAULT_TOKENS_PER_CHUNK = 256
 #: values of ``gpu_kv_layout``: vLLM's cross-layer tensor (the default) or one per layer
@@ -250,6 +270,8 @@ class VllmOptions:
     gpu_kv_layout: str = CROSS_LAYER
     #: seconds a disk-loading request waits behind another request's disk load (0: off)
     disk_load_hold_s: float = 0.0
+    #: which waits ``disk_load_hold_s`` makes (:data:`HOLD_WHEN`)
+    disk_load_hold_when: str = "loading"
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -342,6 +364,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     _need(isinstance(hold, (int, float)) and not isinstance(hold, bool)
           and 0 <= hold <= 3600 and hold == hold,
           "disk_load_hold_s", "must be a number of seconds in 0..3600", hold)
+    hw = ex.get("disk_load_hold_when", "loading")
+    _need(hw in HOLD_WHEN, "disk_load_hold_when",
+          "must be " + " or ".join(repr(x) for x in HOLD_WHEN), hw)
     gkl = ex.get("gpu_kv_layout", CROSS_LAYER)
     _need(gkl in GPU_KV_LAYOUTS, "gpu_kv_layout",
           "must be " + " or ".join(repr(x) for x in GPU_KV_LAYOUTS), gkl)
@@ -356,7 +381,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
                        disk_lookup_cache_s=lc,
                        model_identity=ex.get(MODEL_IDENTITY_KEY), dram_load_sync=dls,
                        dram_load_sync_set="dram_load_sync" in ex, gpu_kv_layout=gkl,
-                       disk_load_hold_s=float(hold))
+                       disk_load_hold_s=float(hold), disk_load_hold_when=hw)
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:
