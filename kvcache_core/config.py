@@ -99,17 +99,17 @@ KEY_HELP: dict[str, str] = {
     "files are still being written (write-back). Beyond it a new store still fills a "
     "DRAM-tier slot but writes no file (counted as stores_writeback_full), so a disk that "
     "falls behind never pins the tier with pending writes and disk hits can still be "
-    "promoted into it. 0 < value <= 1. Default 0.1 (0.5 until the thirty-third session): "
-    "with write_depth_reading 'auto' (no new files while loads read) it keeps the blocks "
-    "that wait for their file from crowding out the blocks queued requests read; measured "
-    "on the queued mixed 16 x 40k (0.49-0.64x native tiered FS's mean TTFT on an H100 and "
-    "an H200), the SCBench-like loop (mean TTFT 2.02 against 3.31 s, 5.2 against 30.2 GB "
-    "read) and issue 9's storing requests and DRAM hits (no loss; "
-    "docs/results/h200/README.md). Its cost: when stores outrun the disk, more blocks "
-    "stay in the DRAM tier without a file (stores_writeback_full; a 64k storing request "
-    "wrote 270 of 512 files against 335), so an evicted block is a recompute rather than "
-    "a disk hit, also for other instances sharing root_dir. Set 0.5 (or writeback_flush) "
-    "where files matter more than the load path.",
+    "promoted into it. 'auto' (default since the thirty-third session; 0.5 before) = 0.1 "
+    "while a disk load is in flight and 0.5 otherwise: with write_depth_reading 'auto' no "
+    "file is started while loads read, and the small share keeps the blocks waiting for "
+    "their file from crowding out the blocks queued requests read, while a store burst on "
+    "an idle disk keeps its files. A fixed 0.1 (with write_depth_reading 0 and "
+    "preload_protect) measured 0.49-0.64x native tiered FS's mean TTFT on the queued mixed "
+    "16 x 40k (H100 and H200; the old defaults 1.09-1.19x) and 2.02 against 3.31 s on the "
+    "SCBench-like loop (5.2 against 30.2 GB read), but a fixed 0.1 also cost files on an "
+    "idle disk (a 64k storing request kept 270 of 512 blocks on disk against 335; a "
+    "3-block store on an 8-block tier 1 of 3), hence 'auto' (not yet measured on a GPU). "
+    "Or a number in (0, 1] for a fixed share; writeback_flush writes such blocks later.",
     "writeback_flush": "Write such DRAM-only blocks (see writeback_max_fraction) to disk "
     "later, oldest first, whenever the write-back has room again, so that a block evicted "
     "from the DRAM tier is still a disk hit (for this and every other instance sharing "
@@ -144,7 +144,7 @@ KEY_HELP: dict[str, str] = {
     "mean TTFT where the defaults were 1.09-1.19x (docs/operator-guide.md, 'Queued "
     "long-context traffic'); on an H100 (thirty-third session) 0.49-0.56x, with no loss "
     "on issue 9's storing requests and DRAM hits and a win on the SCBench-like loop: the "
-    "default since then, with writeback_max_fraction 0.1.",
+    "default since then (with a DRAM tier), with writeback_max_fraction 'auto'.",
     "disk_admission": "Which stored blocks get a file: 'all' (default: every stored block, "
     "written in the background) or 'reuse' (a block's first store keeps it in the DRAM "
     "tier only; its file is written once a request reads it from there, or when it is "
@@ -246,7 +246,7 @@ class StorageConfig:
     copy_headroom: int = 4
     dram_cache_bytes: int = 0
     eviction_policy: str = "lru-admit"
-    writeback_max_fraction: float = 0.1
+    writeback_max_fraction: float | str = "auto"
     writeback_flush: bool = False
     writeback_defer_s: float = 0.0
     write_depth_reading: int | str = "auto"
@@ -312,10 +312,11 @@ class StorageConfig:
         need(self.max_disk_bytes >= 0, "max_disk_bytes", "must be >= 0 (0 = unbounded)")
         need(self.eviction_policy in ("lru", "arc", "lru-admit"), "eviction_policy",
              "must be 'lru', 'arc' or 'lru-admit'")
-        need(isinstance(self.writeback_max_fraction, (int, float))
-             and not isinstance(self.writeback_max_fraction, bool)
-             and 0 < self.writeback_max_fraction <= 1, "writeback_max_fraction",
-             "must be a number in (0, 1]")
+        need(self.writeback_max_fraction == "auto" or (
+            isinstance(self.writeback_max_fraction, (int, float))
+            and not isinstance(self.writeback_max_fraction, bool)
+            and 0 < self.writeback_max_fraction <= 1), "writeback_max_fraction",
+             "must be 'auto' or a number in (0, 1]")
         need(isinstance(self.writeback_defer_s, (int, float)) and not isinstance(
             self.writeback_defer_s, bool) and 0 <= self.writeback_defer_s <= 10,
              "writeback_defer_s", "must be a number of seconds in 0..10 (0 = off)")

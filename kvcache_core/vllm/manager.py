@@ -28,7 +28,9 @@ never reclaimed for another key while its file is still being written from it. W
 every slot is pinned that way, new stores get no slot and go through the workers'
 staging pools, where they are dropped if none is free (counted, never waited for).
 Stores may hold at most ``writeback_max_fraction`` of the tier that way (storing or
-pinned): beyond it a new store still fills a DRAM-tier slot but writes no file
+pinned; ``"auto"``: :data:`WB_FRACTION_READING` of it while a disk load is in flight,
+when the reactor holds new writes behind the reads, else :data:`WB_FRACTION_IDLE`):
+beyond it a new store still fills a DRAM-tier slot but writes no file
 (``dram_only``, counted), so a disk that falls behind (e.g. busy with reads) costs new
 blocks their file, never the promotions of disk hits that other requests wait for: the
 slot is not pinned and can be reclaimed like any cached block. With ``writeback_flush``
@@ -280,6 +282,13 @@ WORKER_COUNTERS: dict[str, str] = {
     "reactor_dead": "Worker: I/O reactor threads that died (the engine then runs "
     "recompute-only: every lookup misses, nothing is stored; see the 'healthy' gauge).",
 }
+#: ``writeback_max_fraction="auto"``: the write-back's share of the DRAM tier while a disk
+#: load is in flight (writes wait behind reads: ``write_depth_reading``; the pending
+#: blocks must not crowd out the blocks queued requests read; thirty-second and
+#: thirty-third sessions) and otherwise (a store burst on an idle disk keeps its files)
+WB_FRACTION_READING = 0.1
+WB_FRACTION_IDLE = 0.5
+
 METRIC_PREFIX = "vllm:pykvcache_"
 #: entries of the positive disk-lookup cache (oldest dropped beyond it)
 LOOKUP_CACHE_MAX = 1 << 16
@@ -360,7 +369,8 @@ class PyKVCacheManager(OffloadingManager):
 
     def __init__(self, root_dir: str, namespaces: Sequence[Namespace], n_dram: int,
                  eviction_policy: str = "lru", enable_events: bool = False,
-                 writeback_max_fraction: float = 0.1, writeback_flush: bool = False,
+                 writeback_max_fraction: float | str = "auto",
+                 writeback_flush: bool = False,
                  lookup_cache_s: float = 0.0, disk_admission: str = "all") -> None:
         if disk_admission not in DISK_ADMISSIONS:
             raise ValueError(f"disk_admission must be one of {DISK_ADMISSIONS}, got "
@@ -388,9 +398,14 @@ class PyKVCacheManager(OffloadingManager):
         self._wb_done: dict[OffloadKey, int] = {}
         self._wb_pinned: dict[OffloadKey, int] = {}
         # keys storing into a DRAM slot whose file will be written from it; with
-        # _wb_pinned, the slots that write-back holds (bounded by _wb_cap)
+        # _wb_pinned, the slots that write-back holds (bounded by _wb_cap())
         self._wb_storing: set[OffloadKey] = set()
-        self._wb_cap = max(1, int(n_dram * writeback_max_fraction)) if n_dram > 0 else 0
+        auto = writeback_max_fraction == "auto"
+        reading = WB_FRACTION_READING if auto else float(writeback_max_fraction)
+        idle = WB_FRACTION_IDLE if auto else float(writeback_max_fraction)
+        #: the write-back's bound in slots while a disk load is in flight, and otherwise
+        self._wb_cap_reading = max(1, int(n_dram * reading)) if n_dram > 0 else 0
+        self._wb_cap_idle = max(1, int(n_dram * idle)) if n_dram > 0 else 0
         # (req_id, key) -> (dram slot or -1, "pin" | "promote" | "disk") for loads in flight
         self._loading: dict[tuple[str, OffloadKey], tuple[int, str]] = {}
         self._loading_refs: collections.Counter[OffloadKey] = collections.Counter()
@@ -499,6 +514,12 @@ class PyKVCacheManager(OffloadingManager):
         if until is not None:
             del pos[key]
         return False
+
+    def _wb_cap(self) -> int:
+        """DRAM slots the write-back may hold now (``writeback_max_fraction``): the
+        reading bound while a disk load is in flight, else the idle one. Scheduler
+        thread; O(1)."""
+        return self._wb_cap_reading if self.disk_loads_in_flight else self._wb_cap_idle
 
     def _acquire(self, evicted: list[OffloadKey] | None) -> int:
         """A DRAM slot for a new job (BUSY), reclaiming the policy's victim if needed."""
@@ -953,7 +974,7 @@ class PyKVCacheManager(OffloadingManager):
                 self._unproven.add(key)
                 self.counters["stores_disk_deferred"] += 1
             elif slot >= 0 and disk:
-                if len(self._wb_storing) + len(self._wb_pinned) >= self._wb_cap:
+                if len(self._wb_storing) + len(self._wb_pinned) >= self._wb_cap():
                     behind = True  # the disk is behind: this block stays in DRAM only
                     self._dram_only.add(key)
                     self._behind.add(key)
@@ -1137,7 +1158,7 @@ class PyKVCacheManager(OffloadingManager):
         if not (self.disk_stores and self.healthy):
             return []
         plan: list[tuple[bytes, int]] = []
-        room = self._wb_cap - len(self._wb_storing) - len(self._wb_pinned)
+        room = self._wb_cap() - len(self._wb_storing) - len(self._wb_pinned)
         n_hot = 0
         for queue in (hot, dirty):  # blocks shown reused first (disk_admission=reuse)
             while queue and room > 0:

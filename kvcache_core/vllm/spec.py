@@ -153,12 +153,14 @@ class PyKVCacheSpec(OffloadingSpec):
         self._worker: OffloadingWorker | None = None
         log.info("py-kvcache: rank %d/%d root %s namespace %s (%s, %s), %d tokens = %d B per "
                  "file, staging %d slots, DRAM tier %d slots (%d B per worker, eviction %s, "
-                 "write-back up to %.0f%% of it)",
+                 "write-back up to %s of it)",
                  self.rank, self.world_size, self.storage.root_dir,
                  self.namespaces[self.rank].dirname(), model, dtype, self.tokens_per_chunk,
                  self.pool.slot_bytes, self.pool.n_staging, self.pool.n_dram,
                  self.pool.n_dram * self.pool.slot_bytes, self.storage.eviction_policy,
-                 100 * self.storage.writeback_max_fraction)
+                 ("10% while loading, 50% otherwise"
+                  if self.storage.writeback_max_fraction == "auto"
+                  else f"{100 * self.storage.writeback_max_fraction:.0f}%"))
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:

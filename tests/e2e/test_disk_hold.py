@@ -155,9 +155,10 @@ def test_writes_behind_reads_in_a_queued_engine(model_dir, workdir, reference, p
     H.store_prompts(model_dir, root, ["A", "B"])
     files_before = H.cache_files(root)
     names = ["A", "C", "B", "A"]
-    # writeback_max_fraction 0.5: with the default 0.1 an 8-block tier lets one block at
-    # a time wait for its file, and C's other two stay in DRAM without one (by design;
-    # tests/vllm/test_manager.py covers that): here all writes wait for the reads, and land
+    # writeback_max_fraction 0.5: with the default 'auto', while loads are in flight an
+    # 8-block tier lets one block at a time wait for its file, and C's other two stay in
+    # DRAM without one (by design; tests/vllm/test_manager.py covers that): here all
+    # writes wait for the reads, and land
     s, _, outs = H.queued(model_dir, root, reference, names,
                           dram_cache_bytes=8 * H.FILE_BYTES, write_depth_reading=0,
                           writeback_max_fraction=0.5, preload_protect=protect)

@@ -53,6 +53,34 @@ def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_avai
     assert m.stats()["dram_writeback_pinned"] == 0
 
 
+def test_manager_auto_writeback_cap_tightens_while_a_disk_load_reads(tmp_path,
+                                                                    vllm_available):
+    """writeback_max_fraction="auto" (the default): with no disk load in flight the
+    write-back may hold half the tier (a 10-slot tier: 5 of 6 new blocks get a file);
+    while one is in flight only a tenth (1 slot), since the reactor then starts no file
+    (write_depth_reading) and the pending blocks would crowd the tier that queued
+    requests read. A fixed number keeps one bound."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path / "auto"), [ns], n_dram=10)
+    w = ReqContext("idle")
+    spec = m.prepare_store([key(i) for i in range(1, 7)], w).store_spec
+    assert [spec.writes_file(i) for i in range(6)] == [True] * 5 + [False]
+    m.complete_store([key(i) for i in range(1, 7)], w)
+    m.disk_loads_in_flight = 1  # a load reading from disk (prepare_load counts it)
+    r = ReqContext("reading")
+    spec = m.prepare_store([key(i) for i in range(11, 14)], r).store_spec
+    assert not any(spec.writes_file(i) for i in range(3))  # 5 pending >= 1: none
+    m.disk_loads_in_flight = 0
+    fixed = PyKVCacheManager(str(tmp_path / "fixed"), [ns], n_dram=10,
+                             writeback_max_fraction=0.2)
+    spec = fixed.prepare_store([key(i) for i in range(1, 4)], w).store_spec
+    assert [spec.writes_file(i) for i in range(3)] == [True, True, False]
+
+
 def test_manager_writeback_cap_keeps_slots_for_promotions(tmp_path, vllm_available):
     """writeback_max_fraction: stores hold at most that share of the DRAM tier while their
     files are pending (storing or pinned); further stores still fill a DRAM slot but
