@@ -507,14 +507,23 @@ class SchedulerSide:
 
     def _waiting_behind(self, rid: str) -> int:
         """How many waiting requests in view (the last :meth:`on_preload_candidates`
-        call's) wait behind request ``rid``: those after it in scheduling order, or all
-        of them when it is not in view (it arrived since). 0 without the patched
-        scheduler's call or with ``preload_lookahead`` 0. Scheduler thread."""
-        ids = self._waiting_ids
-        try:
-            return len(ids) - ids.index(rid) - 1
-        except ValueError:
-            return len(ids)
+        call's) wait behind request ``rid``: those after it in scheduling order (all of
+        them when it is not in view) that are not scheduled yet (a request scheduled
+        earlier in this step is in ``_prefilling``). 0 without the patched scheduler's
+        call or with ``preload_lookahead`` 0. Scheduler thread; O(preload_lookahead)."""
+        ids, prefilling = self._waiting_ids, self._prefilling
+        n = len(ids)
+        i = 0
+        for j in range(n):
+            if ids[j] == rid:
+                i = j + 1
+                break
+        k = 0
+        while i < n:
+            if ids[i] not in prefilling:
+                k += 1
+            i += 1
+        return k
 
     def _disk_backlogged(self, num_computed_tokens: int, n: int) -> bool:
         """``disk_backlog_gate``: whether the disk part of a prefix of ``n`` tokens after
