@@ -512,18 +512,8 @@ class SchedulerSide:
         earlier in this step is in ``_prefilling``). 0 without the patched scheduler's
         call or with ``preload_lookahead`` 0. Scheduler thread; O(preload_lookahead)."""
         ids, prefilling = self._waiting_ids, self._prefilling
-        n = len(ids)
-        i = 0
-        for j in range(n):
-            if ids[j] == rid:
-                i = j + 1
-                break
-        k = 0
-        while i < n:
-            if ids[i] not in prefilling:
-                k += 1
-            i += 1
-        return k
+        start = ids.index(rid) + 1 if rid in ids else 0
+        return sum(1 for i in range(start, len(ids)) if ids[i] not in prefilling)
 
     def _disk_backlogged(self, num_computed_tokens: int, n: int) -> bool:
         """``disk_backlog_gate``: whether the disk part of a prefix of ``n`` tokens after

@@ -142,9 +142,9 @@ GLUE_KEY_HELP: dict[str, str] = {
     "warning where it cannot work; false = off. Aimed at queued requests that share a "
     "DRAM tier too small for all their prefixes. With write_depth_reading=0 and "
     "writeback_max_fraction=0.1 (the defaults now, the latter as 'auto'), preload with it "
-    "cut the reusing "
-    "requests' mean TTFT 1.61x (H200, preload off first) and 1.80x (H100, preload on "
-    "first) against the same keys without preload, on the queued mixed 16 x 40k "
+    "cut the reusing requests' mean TTFT 1.61x (H200, preload off first) and 1.80x "
+    "(H100, preload on first) against the same keys without preload, on the queued mixed "
+    "16 x 40k "
     "(docs/results/h200/README.md); not measured alone.",
     "disk_load_hold_s": "Seconds (0 = off, the default; at most 3600). A waiting request "
     "whose reusable prefix must be read from disk, and that the break-even gate (if any) "

@@ -33,6 +33,8 @@ from .manager import (
     MANAGER_COUNTERS,
     MANAGER_GAUGES,
     METRIC_PREFIX,
+    WB_FRACTION_IDLE,
+    WB_FRACTION_READING,
     WORKER_COUNTERS,
     PyKVCacheManager,
 )
@@ -158,9 +160,9 @@ class PyKVCacheSpec(OffloadingSpec):
                  self.namespaces[self.rank].dirname(), model, dtype, self.tokens_per_chunk,
                  self.pool.slot_bytes, self.pool.n_staging, self.pool.n_dram,
                  self.pool.n_dram * self.pool.slot_bytes, self.storage.eviction_policy,
-                 ("10% while loading, 50% otherwise"
+                 (f"{WB_FRACTION_READING:.0%} while loading, {WB_FRACTION_IDLE:.0%} otherwise"
                   if self.storage.writeback_max_fraction == "auto"
-                  else f"{100 * self.storage.writeback_max_fraction:.0f}%"))
+                  else f"{self.storage.writeback_max_fraction:.0%}"))
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:

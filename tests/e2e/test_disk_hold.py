@@ -23,21 +23,33 @@ def _hold_engine(model_dir: str, root: str, hold: float, tier_files: int = 8, **
                       max_num_seqs=3)
 
 
-def _count_load_starts(mgr) -> list[int]:
-    """Wrap ``mgr.prepare_load``: the returned list gets, for each load that reads from
-    disk, the number of disk loads already in flight when it began."""
-    started: list[int] = []
-    orig = mgr.prepare_load
+def _run_batched(llm, names: list[str], check_tier: bool = False):
+    """Send the :data:`PROMPTS` ``names`` at once to ``llm``, wait for its writes, shut
+    it down; returns (outputs, manager stats, ``started``: for each load that read from
+    disk, the number of disk loads already in flight when it began). Checks that no disk
+    load is left in flight and, with ``check_tier``, the DRAM tier's invariants."""
+    try:
+        mgr = H.manager(llm)
+        started: list[int] = []
+        orig = mgr.prepare_load
 
-    def prepare_load(keys, req_context):
-        before = mgr.disk_loads_in_flight
-        spec = orig(keys, req_context)
-        if mgr.disk_loads_in_flight > before:
-            started.append(before)
-        return spec
+        def prepare_load(keys, req_context):
+            before = mgr.disk_loads_in_flight
+            spec = orig(keys, req_context)
+            if mgr.disk_loads_in_flight > before:
+                started.append(before)
+            return spec
 
-    mgr.prepare_load = prepare_load
-    return started
+        mgr.prepare_load = prepare_load
+        outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
+        H.drain(llm)
+        s = mgr.stats()
+        assert mgr.disk_loads_in_flight == 0
+        if check_tier:
+            mgr.dram.check()
+    finally:
+        H.shutdown(llm)
+    return outs, s, started
 
 
 def _check_batched(names: list[str], outs: list[dict], reference: dict) -> None:
@@ -59,16 +71,8 @@ def test_disk_loads_run_one_request_at_a_time(model_dir, workdir, reference, hol
     DRAM tier (as without the hold) and loads from there: every disk load starts alone,
     each block is read once, and the tokens are recompute's."""
     llm = _hold_engine(model_dir, os.path.join(workdir, f"root_hold_{hold}"), hold)
-    try:
-        mgr = H.manager(llm)
-        started = _count_load_starts(mgr)
-        names = ["A", "B", "A"]
-        outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
-        H.drain(llm)
-        s = mgr.stats()
-        assert mgr.disk_loads_in_flight == 0
-    finally:
-        H.shutdown(llm)
+    names = ["A", "B", "A"]
+    outs, s, started = _run_batched(llm, names)
     _check_batched(names, outs, reference)
     assert len(started) == 2, started  # A and B each read from disk once
     assert s["chunks_loaded_disk"] == 6 and s["chunks_loaded_dram"] == 3, s
@@ -96,17 +100,8 @@ def test_no_slot_hold_waits_only_for_room_in_the_dram_tier(model_dir, workdir, r
     hold = 30 if when else 0
     llm = _hold_engine(model_dir, os.path.join(workdir, f"root_noslot_{when}_{tier_files}"),
                        hold, tier_files=tier_files, **extra)
-    try:
-        mgr = H.manager(llm)
-        started = _count_load_starts(mgr)
-        names = ["A", "B", "B"]
-        outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
-        H.drain(llm)
-        s = mgr.stats()
-        assert mgr.disk_loads_in_flight == 0
-        mgr.dram.check()
-    finally:
-        H.shutdown(llm)
+    names = ["A", "B", "B"]
+    outs, s, started = _run_batched(llm, names, check_tier=True)
     _check_batched(names, outs, reference)
     assert s["load_failures"] == 0, s
     if when is None:
