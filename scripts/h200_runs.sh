@@ -34,6 +34,22 @@ bash scripts/h200_stop.sh
 SITE=$(python3 -c 'import vllm,os;print(os.path.dirname(os.path.dirname(vllm.__file__)))')
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" >/dev/null
 python3 -m kvcache_core.cli patch-vllm --target "$SITE" --check
+# py-kvcache's vllm.general_plugins entry point, as `pip install` registers it (the runtime
+# runs the repo from PYTHONPATH, which has no package metadata): the plugin then runs in
+# every vLLM process here too, with its backport of vLLM's fix for the native tiered
+# offload's KeyError under concurrency (kvcache_core/vllm/backports.py; the fifty-client
+# and SCBench-like runs of native_fs died of it before the thirty-fourth session)
+if [ -d /tmp/site ] && ! python3 -c 'import importlib.metadata as m, sys
+sys.exit(0 if m.entry_points(group="vllm.general_plugins", name="py_kvcache") else 1)'; then
+  DI=/tmp/site/py_kvcache-0.1.0.dist-info  # /tmp/site: on PYTHONPATH (/tmp/rt/env.sh)
+  mkdir -p "$DI"
+  printf 'Metadata-Version: 2.1\nName: py-kvcache\nVersion: 0.1.0\n' > "$DI/METADATA"
+  printf '[vllm.general_plugins]\npy_kvcache = kvcache_core.vllm.plugin:register\n' \
+    > "$DI/entry_points.txt"
+fi
+python3 -c 'from vllm.plugins import load_general_plugins as l; l()
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler as S
+print("py-kvcache plugin: backport", "on" if getattr(S.request_finished, "_pykvcache_backport", False) else "OFF")'
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader || true
 # the card this call really got (the device tool lends an H100 or an H200): every
 # result file names it, never a fixed "H200"

@@ -21,6 +21,10 @@ except the :class:`~kvcache_core.config.ConfigError` of a py-kvcache config. Onc
 process, a valid config with ``preload_lookahead`` > 0 on a vLLM without py-kvcache's
 patches logs one warning saying that preload is inactive and how to patch.
 
+On vLLM 0.26.x it also installs :mod:`kvcache_core.vllm.backports` (an upstream fix to
+vLLM's own offloading scheduler that the native tiered offload needs under concurrency;
+``KVCACHE_VLLM_BACKPORTS=0`` leaves vLLM as released).
+
 Supported vLLM releases: 0.26.x and 0.32.x (:mod:`kvcache_core.vllm.compat`). On any
 other vLLM the plugin still registers (it must not break vLLM for other connectors) and
 logs one warning per process; a py-kvcache config is then refused when it is parsed
@@ -57,6 +61,12 @@ def register() -> None:
         _warn_if_unsupported()
     except Exception as e:  # pragma: no cover - the version check itself failed
         log.debug("py-kvcache plugin: vLLM version not checked: %r", e)
+    try:
+        from . import backports
+
+        backports.install()
+    except Exception as e:  # never break vLLM for a fix it may not need
+        log.warning("py-kvcache plugin: vLLM backports not installed: %r", e)
 
 
 _unsupported_warned = False
