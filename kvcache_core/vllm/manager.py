@@ -29,7 +29,8 @@ every slot is pinned that way, new stores get no slot and go through the workers
 staging pools, where they are dropped if none is free (counted, never waited for).
 Stores may hold at most ``writeback_max_fraction`` of the tier that way (storing or
 pinned; ``"auto"``: :data:`WB_FRACTION_READING` of it while a disk load is in flight,
-when the reactor holds new writes behind the reads, else :data:`WB_FRACTION_IDLE`):
+when the reactor holds new writes behind the reads, or requests wait in the patched
+scheduler's queue (``requests_waiting``), else :data:`WB_FRACTION_IDLE`):
 beyond it a new store still fills a DRAM-tier slot but writes no file
 (``dram_only``, counted), so a disk that falls behind (e.g. busy with reads) costs new
 blocks their file, never the promotions of disk hits that other requests wait for: the
@@ -403,7 +404,7 @@ class PyKVCacheManager(OffloadingManager):
         auto = writeback_max_fraction == "auto"
         reading = WB_FRACTION_READING if auto else float(writeback_max_fraction)
         idle = WB_FRACTION_IDLE if auto else float(writeback_max_fraction)
-        #: the write-back's bound in slots while a disk load is in flight, and otherwise
+        #: the write-back's bound in slots while busy (:meth:`_wb_cap`), and otherwise
         self._wb_cap_reading = max(1, int(n_dram * reading)) if n_dram > 0 else 0
         self._wb_cap_idle = max(1, int(n_dram * idle)) if n_dram > 0 else 0
         # (req_id, key) -> (dram slot or -1, "pin" | "promote" | "disk") for loads in flight
@@ -412,6 +413,12 @@ class PyKVCacheManager(OffloadingManager):
         #: records in _loading / _held that read from disk ("disk" or "promote"): the
         #: connector's ``disk_load_hold_s`` holds disk-loading requests while it is > 0
         self.disk_loads_in_flight = 0
+        #: waiting requests the patched scheduler offered in this step
+        #: (``on_preload_candidates``; 0 when it offered none, and always without the
+        #: patches or ``preload_lookahead``): the connector scheduler sets it before this
+        #: step's store jobs are prepared and clears it once the step's metadata is built.
+        #: Scheduler thread.
+        self.requests_waiting = 0
         #: bumped whenever a disk load ends or the workers report blocks staged: what a
         #: request held by ``disk_load_hold_s`` would find may have changed
         self.load_epoch = 0
@@ -517,9 +524,13 @@ class PyKVCacheManager(OffloadingManager):
 
     def _wb_cap(self) -> int:
         """DRAM slots the write-back may hold now (``writeback_max_fraction``): the
-        reading bound while a disk load is in flight, else the idle one. Scheduler
-        thread; O(1)."""
-        return self._wb_cap_reading if self.disk_loads_in_flight else self._wb_cap_idle
+        reading bound while the engine is busy (a disk load in flight, or requests
+        waiting in the patched scheduler's queue: their loads are coming, and slots
+        pinned now stay pinned while those reads go first), else the idle one.
+        Scheduler thread; O(1)."""
+        if self.disk_loads_in_flight or self.requests_waiting:
+            return self._wb_cap_reading
+        return self._wb_cap_idle
 
     def _acquire(self, evicted: list[OffloadKey] | None) -> int:
         """A DRAM slot for a new job (BUSY), reclaiming the policy's victim if needed."""

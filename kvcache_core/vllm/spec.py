@@ -160,7 +160,7 @@ class PyKVCacheSpec(OffloadingSpec):
                  self.namespaces[self.rank].dirname(), model, dtype, self.tokens_per_chunk,
                  self.pool.slot_bytes, self.pool.n_staging, self.pool.n_dram,
                  self.pool.n_dram * self.pool.slot_bytes, self.storage.eviction_policy,
-                 (f"{WB_FRACTION_READING:.0%} while loading, {WB_FRACTION_IDLE:.0%} otherwise"
+                 (f"{WB_FRACTION_READING:.0%} while busy, {WB_FRACTION_IDLE:.0%} otherwise"
                   if self.storage.writeback_max_fraction == "auto"
                   else f"{self.storage.writeback_max_fraction:.0%}"))
 

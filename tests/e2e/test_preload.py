@@ -49,11 +49,26 @@ def test_hook_gets_the_waiting_requests_in_scheduling_order(model_dir, workdir, 
             orig(requests)
 
         conn.on_preload_candidates = record
+        # the manager sees the queue's length when it prepares the step's stores (the
+        # write-back's bound, writeback_max_fraction "auto"), and 0 once nothing waits
+        m = H.manager(llm)
+        waiting_at_store: list[int] = []
+        prepare_store = m.prepare_store
+
+        def prepare_store_seen(keys, req_context):
+            waiting_at_store.append(m.requests_waiting)
+            return prepare_store(keys, req_context)
+
+        m.prepare_store = prepare_store_seen
         prompts = [H.PROMPTS["A"], H.PROMPTS["B"], H.PROMPTS["C"], H.PROMPTS["A"][:600]]
         prio = [0, 3, 1, 2] if policy == "priority" else None
         H.generate_many(llm, prompts, priority=prio)
     finally:
         H.shutdown(llm)
+    # first prefill: 3 queued, k = 2; then the queue shrinks; cleared after the last step
+    assert waiting_at_store[0] == 2, waiting_at_store
+    assert waiting_at_store == sorted(waiting_at_store, reverse=True), waiting_at_store
+    assert m.requests_waiting == 0
     assert seen, "the patched scheduler never called on_preload_candidates"
     assert all(0 < len(c) <= 2 for c in seen)
     first = seen[0]

@@ -53,13 +53,13 @@ def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_avai
     assert m.stats()["dram_writeback_pinned"] == 0
 
 
-def test_manager_auto_writeback_cap_tightens_while_a_disk_load_reads(tmp_path,
-                                                                    vllm_available):
+def test_manager_auto_writeback_cap_tightens_while_busy(tmp_path, vllm_available):
     """writeback_max_fraction="auto" (the default): with no disk load in flight the
     write-back may hold half the tier (a 10-slot tier: 5 of 6 new blocks get a file);
-    while one is in flight only a tenth (1 slot), since the reactor then starts no file
-    (write_depth_reading) and the pending blocks would crowd the tier that queued
-    requests read. A fixed number keeps one bound."""
+    while one is in flight, or while requests wait in the patched scheduler's queue,
+    only a tenth (1 slot), since the reactor then starts no file (write_depth_reading)
+    and the pending blocks would crowd the tier that queued requests read. A fixed
+    number keeps one bound."""
     from vllm.v1.kv_offload.base import ReqContext
 
     from kvcache_core.vllm.manager import PyKVCacheManager
@@ -75,6 +75,17 @@ def test_manager_auto_writeback_cap_tightens_while_a_disk_load_reads(tmp_path,
     spec = m.prepare_store([key(i) for i in range(11, 14)], r).store_spec
     assert not any(spec.writes_file(i) for i in range(3))  # 5 pending >= 1: none
     m.disk_loads_in_flight = 0
+    # requests waiting in the patched scheduler's queue: busy too, their loads are next
+    # (the H100's queued mixed run: with only the disk-load test the write-back took
+    # half the tier between loads, and the reusing requests re-read 577 chunks)
+    q = PyKVCacheManager(str(tmp_path / "queue"), [ns], n_dram=10)
+    q.requests_waiting = 3  # set by on_preload_candidates for this step
+    spec = q.prepare_store([key(i) for i in range(21, 24)], w).store_spec
+    assert [spec.writes_file(i) for i in range(3)] == [True, False, False]
+    q.complete_store([key(i) for i in range(21, 24)], w)
+    q.requests_waiting = 0  # a step in which nothing waited: the idle bound again
+    spec = q.prepare_store([key(i) for i in range(31, 35)], w).store_spec
+    assert [spec.writes_file(i) for i in range(4)] == [True, True, True, True]
     fixed = PyKVCacheManager(str(tmp_path / "fixed"), [ns], n_dram=10,
                              writeback_max_fraction=0.2)
     spec = fixed.prepare_store([key(i) for i in range(1, 4)], w).store_spec
