@@ -550,9 +550,9 @@ class SchedulerSide:
         """Once per step (patched vLLM), before the metadata is built: plan preloads for
         the first ``preload_lookahead`` waiting ``requests`` (scheduling order); with
         ``preload_protect``, their DRAM-tier blocks become the last to be evicted first.
-        The manager's ``requests_waiting`` holds their count for this step (the
-        write-back's bound, ``writeback_max_fraction`` ``auto``)."""
-        self.manager.requests_waiting = len(requests)
+        The manager notes their count for this step (the write-back's bound,
+        ``writeback_max_fraction`` ``auto``)."""
+        self.manager.note_waiting(len(requests))
         if self.balance_model is not None:
             self._waiting_ids = [r.request_id for r in requests]
         if self._protect:
@@ -683,8 +683,8 @@ class SchedulerSide:
         the workers' ``start_load_kv`` (with or without a forward), so the slots pinned for
         the write-backs are always released. With ``preload_protect``, a step in which
         nothing waited drops the queue ranks (no request in view any more); the
-        manager's ``requests_waiting`` is cleared for the next step."""
-        self.manager.requests_waiting = 0
+        manager ends its step (its queue count is cleared)."""
+        self.manager.end_step()
         if self._protect:
             if not self._ranked:
                 self.manager.protect_queue((), self.group_configs)

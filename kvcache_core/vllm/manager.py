@@ -30,7 +30,8 @@ staging pools, where they are dropped if none is free (counted, never waited for
 Stores may hold at most ``writeback_max_fraction`` of the tier that way (storing or
 pinned; ``"auto"``: :data:`WB_FRACTION_READING` of it while a disk load is in flight,
 when the reactor holds new writes behind the reads, or requests wait in the patched
-scheduler's queue (``requests_waiting``), else :data:`WB_FRACTION_IDLE`):
+scheduler's queue or did less than :data:`WB_BUSY_HOLD_S` ago, else
+:data:`WB_FRACTION_IDLE`):
 beyond it a new store still fills a DRAM-tier slot but writes no file
 (``dram_only``, counted), so a disk that falls behind (e.g. busy with reads) costs new
 blocks their file, never the promotions of disk hits that other requests wait for: the
@@ -289,6 +290,11 @@ WORKER_COUNTERS: dict[str, str] = {
 #: thirty-third sessions) and otherwise (a store burst on an idle disk keeps its files)
 WB_FRACTION_READING = 0.1
 WB_FRACTION_IDLE = 0.5
+#: seconds after requests last waited in the queue during which ``auto`` keeps the busy
+#: share: the last requests of a queued burst store while the queue is already empty,
+#: and what the write-back pins then is still pinned when the next burst reads (the CPU
+#: SCBench-like test: 2 preloads wasted without it, none with it)
+WB_BUSY_HOLD_S = 2.0
 
 METRIC_PREFIX = "vllm:pykvcache_"
 #: entries of the positive disk-lookup cache (oldest dropped beyond it)
@@ -415,10 +421,14 @@ class PyKVCacheManager(OffloadingManager):
         self.disk_loads_in_flight = 0
         #: waiting requests the patched scheduler offered in this step
         #: (``on_preload_candidates``; 0 when it offered none, and always without the
-        #: patches or ``preload_lookahead``): the connector scheduler sets it before this
-        #: step's store jobs are prepared and clears it once the step's metadata is built.
-        #: Scheduler thread.
+        #: patches or ``preload_lookahead``): set by :meth:`note_waiting` before this
+        #: step's store jobs are prepared, cleared by :meth:`end_step`. Scheduler thread.
         self.requests_waiting = 0
+        #: monotonic time until which the write-back keeps its busy share after
+        #: requests last waited (:data:`WB_BUSY_HOLD_S`), and whether that time is still
+        #: ahead (evaluated once per step, by :meth:`end_step`)
+        self._queue_until = 0.0
+        self._queue_recent = False
         #: bumped whenever a disk load ends or the workers report blocks staged: what a
         #: request held by ``disk_load_hold_s`` would find may have changed
         self.load_epoch = 0
@@ -525,12 +535,27 @@ class PyKVCacheManager(OffloadingManager):
     def _wb_cap(self) -> int:
         """DRAM slots the write-back may hold now (``writeback_max_fraction``): the
         reading bound while the engine is busy (a disk load in flight, or requests
-        waiting in the patched scheduler's queue: their loads are coming, and slots
-        pinned now stay pinned while those reads go first), else the idle one.
-        Scheduler thread; O(1)."""
-        if self.disk_loads_in_flight or self.requests_waiting:
+        waiting in the patched scheduler's queue now or less than
+        :data:`WB_BUSY_HOLD_S` ago: their loads are coming, and slots pinned now stay
+        pinned while those reads go first), else the idle one. Scheduler thread; O(1)."""
+        if self.disk_loads_in_flight or self.requests_waiting or self._queue_recent:
             return self._wb_cap_reading
         return self._wb_cap_idle
+
+    def note_waiting(self, n: int) -> None:
+        """``n`` > 0 requests wait in the patched scheduler's queue in this step (the
+        connector scheduler, before the step's store jobs are prepared). Scheduler
+        thread; O(1)."""
+        self.requests_waiting = n
+        if n:
+            self._queue_until = time.monotonic() + WB_BUSY_HOLD_S
+
+    def end_step(self) -> None:
+        """This step's metadata is built (the connector scheduler, once per step): the
+        queue count is cleared, and the write-back keeps its busy share while requests
+        waited less than :data:`WB_BUSY_HOLD_S` ago. Scheduler thread; one clock read."""
+        self.requests_waiting = 0
+        self._queue_recent = bool(self._queue_until) and time.monotonic() < self._queue_until
 
     def _acquire(self, evicted: list[OffloadKey] | None) -> int:
         """A DRAM slot for a new job (BUSY), reclaiming the policy's victim if needed."""

@@ -667,7 +667,10 @@ def _decode_heavy_run(model_dir: str, root: str, prefilter: bool) -> dict:
         mp.setattr(compat, "STORE_JOB_PREFILTER", prefilter)
         mp.setattr(SchedulerSide, "store_view", counting_view)
         mp.setattr(CS, "_build_store_jobs", recording_build)
-        llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=32 * H.FILE_BYTES),
+        # a fixed write-back share: with "auto" a store made while requests wait may keep
+        # its block in DRAM only when the files lag, and this test counts files
+        llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=32 * H.FILE_BYTES,
+                                                   writeback_max_fraction=0.5),
                          enable_prefix_caching=True, max_num_batched_tokens=512)
         try:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp,

@@ -53,15 +53,17 @@ def test_manager_pins_dram_slots_until_every_rank_wrote_them(tmp_path, vllm_avai
     assert m.stats()["dram_writeback_pinned"] == 0
 
 
-def test_manager_auto_writeback_cap_tightens_while_busy(tmp_path, vllm_available):
+def test_manager_auto_writeback_cap_tightens_while_busy(tmp_path, vllm_available,
+                                                       monkeypatch):
     """writeback_max_fraction="auto" (the default): with no disk load in flight the
     write-back may hold half the tier (a 10-slot tier: 5 of 6 new blocks get a file);
-    while one is in flight, or while requests wait in the patched scheduler's queue,
-    only a tenth (1 slot), since the reactor then starts no file (write_depth_reading)
-    and the pending blocks would crowd the tier that queued requests read. A fixed
-    number keeps one bound."""
+    while one is in flight, or while requests wait in the patched scheduler's queue
+    (and for WB_BUSY_HOLD_S after they did), only a tenth (1 slot), since the reactor
+    then starts no file (write_depth_reading) and the pending blocks would crowd the
+    tier that queued requests read. A fixed number keeps one bound."""
     from vllm.v1.kv_offload.base import ReqContext
 
+    from kvcache_core.vllm import manager as manager_mod
     from kvcache_core.vllm.manager import PyKVCacheManager
 
     ns = Namespace("m", "bf16", 256, 1 << 16)
@@ -79,12 +81,20 @@ def test_manager_auto_writeback_cap_tightens_while_busy(tmp_path, vllm_available
     # (the H100's queued mixed run: with only the disk-load test the write-back took
     # half the tier between loads, and the reusing requests re-read 577 chunks)
     q = PyKVCacheManager(str(tmp_path / "queue"), [ns], n_dram=10)
-    q.requests_waiting = 3  # set by on_preload_candidates for this step
+    q.note_waiting(3)  # on_preload_candidates, this step
     spec = q.prepare_store([key(i) for i in range(21, 24)], w).store_spec
     assert [spec.writes_file(i) for i in range(3)] == [True, False, False]
     q.complete_store([key(i) for i in range(21, 24)], w)
-    q.requests_waiting = 0  # a step in which nothing waited: the idle bound again
-    spec = q.prepare_store([key(i) for i in range(31, 35)], w).store_spec
+    q.end_step()
+    assert q.requests_waiting == 0
+    # the queue emptied a moment ago: still the busy bound (WB_BUSY_HOLD_S)
+    spec = q.prepare_store([key(i) for i in range(31, 33)], w).store_spec
+    assert not any(spec.writes_file(i) for i in range(2))
+    q.complete_store([key(i) for i in range(31, 33)], w)
+    monkeypatch.setattr(manager_mod, "WB_BUSY_HOLD_S", 0.0)
+    q.note_waiting(1)
+    q.end_step()  # nothing waited for longer than the hold: the idle bound again
+    spec = q.prepare_store([key(i) for i in range(41, 45)], w).store_spec
     assert [spec.writes_file(i) for i in range(4)] == [True, True, True, True]
     fixed = PyKVCacheManager(str(tmp_path / "fixed"), [ns], n_dram=10,
                              writeback_max_fraction=0.2)
