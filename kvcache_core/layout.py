@@ -667,10 +667,8 @@ class Ledger:
         keep the value in an extended attribute, for the clients of a distributed
         filesystem (class docstring)."""
         umask = current_umask() if umask is None else umask
-        if coherent:  # clients of a distributed filesystem: no concurrent create of one name
-            self._fd, self.replaced = _open_or_link(path, mode, umask)
-        else:
-            self._fd, self.replaced = _open_private(path, os.O_RDWR | os.O_CREAT, mode, umask)
+        self._mode, self._umask, self._coherent_open = mode, umask, coherent
+        self._fd, self.replaced = self._open(path)
         self.path = path
         st = os.fstat(self._fd)
         #: (st_dev, st_ino) of the file this ledger counts in (:meth:`detached`)
@@ -679,6 +677,9 @@ class Ledger:
         self.coherent = False
         self._lock = threading.RLock()
         self._depth = 0
+        #: times :meth:`_lock_file` replaced a descriptor that went bad
+        self.reopened = 0
+        self._stale_fds: list[int] = []  # those descriptors, closed by close()
         try:
             if coherent:
                 self.coherent = self._probe_xattr(path)
@@ -718,13 +719,54 @@ class Ledger:
                 return False
         return True
 
+    def _open(self, path: str) -> tuple[int, bool]:
+        if self._coherent_open:  # a distributed filesystem's clients: no concurrent create
+            return _open_or_link(path, self._mode, self._umask)
+        return _open_private(path, os.O_RDWR | os.O_CREAT, self._mode, self._umask)
+
+    def _lock_file(self) -> None:
+        """``flock`` the ledger. An fd that lost its file (EBADFD / ESTALE: on GlusterFS
+        the clients of one mount that lost a concurrent ``mkdir`` of the namespace keep
+        fds under a directory id the server never recorded, and about a second later
+        every operation on them fails; a CI run lost all three writers of a mount to
+        it) is replaced by the file at :attr:`path`, opened again, with growing pauses
+        for up to :data:`MKDIR_RACE_S`; what this process added to the lost file is not
+        carried over (the evictor's rescan recounts the files on disk). Holds
+        ``self._lock``."""
+        delay, deadline = 0.01, time.monotonic() + MKDIR_RACE_S
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+                return
+            except OSError as e:
+                if (e.errno not in (errno.EBADFD, errno.ESTALE)
+                        or time.monotonic() + delay > deadline):
+                    raise
+                bad = e
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+            try:
+                fd, _ = self._open(self.path)
+            except OSError as e:  # the name still in the stale window: try again
+                if e.errno not in _RACE_ERRNOS + (errno.EBADFD,):
+                    raise
+                continue
+            log.warning("py-kvcache: %s: the byte ledger's file descriptor went bad (%s); "
+                        "reopened it", self.path, bad.strerror or bad)
+            self._stale_fds.append(self._fd)  # an unlocked peek may still hold it
+            self._fd = fd
+            st = os.fstat(fd)
+            self.ident = (st.st_dev, st.st_ino)
+            self.reopened += 1
+
     @contextlib.contextmanager
     def locked(self):
         """Hold the ledger lock (across processes) for a compound update, e.g. link + add
-        or walk + set. Re-entrant within one thread."""
+        or walk + set. Re-entrant within one thread. A descriptor gone bad is reopened
+        (:meth:`_lock_file`)."""
         with self._lock:
             if self._depth == 0:
-                fcntl.flock(self._fd, fcntl.LOCK_EX)
+                self._lock_file()
             self._depth += 1
             try:
                 yield self
@@ -790,6 +832,9 @@ class Ledger:
                     os.pwrite(self._fd, value.to_bytes(8, "little", signed=True), 0)
         finally:
             os.close(self._fd)
+            for fd in self._stale_fds:
+                _close_quietly(fd)
+            self._stale_fds.clear()
 
 
 @dataclass

@@ -578,3 +578,50 @@ def test_namespace_whose_directory_vanishes_under_its_first_mkdir_is_made_again(
         Layout(root, other)
     assert ei.value.errno == errno.ENOENT and root in str(ei.value)
     assert time.monotonic() - t0 < 5
+
+
+def test_ledger_reopens_a_descriptor_that_went_bad(tmp_path, monkeypatch):
+    """GlusterFS: the clients of one mount that lost a concurrent ``mkdir`` of the
+    namespace hold fds under a directory id the server never recorded, and about a second
+    later ``flock`` on the ledger's fails with EBADFD (a CI run lost all three writers of
+    a mount to it). The ledger reopens its file by name and goes on, counting in the file
+    the name points to; any other error, or a descriptor still bad after the race window,
+    is raised."""
+    from kvcache_core import layout as L
+
+    led = L.Ledger(str(tmp_path / ".usage"))
+    try:
+        led.add(100)
+        real = L.fcntl.flock
+        bad = {"n": 2}
+
+        def flaky(fd, op):
+            if op == L.fcntl.LOCK_EX and bad["n"]:
+                bad["n"] -= 1
+                raise OSError(errno.EBADFD, "File descriptor in bad state")
+            return real(fd, op)
+
+        monkeypatch.setattr(L.fcntl, "flock", flaky)
+        assert led.add(5) == 105 and led.reopened == 2
+        assert led.get() == 105  # the reopened descriptor counts in the same file
+
+        def broken(fd, op):
+            raise OSError(errno.EIO, "I/O error")
+
+        monkeypatch.setattr(L.fcntl, "flock", broken)
+        with pytest.raises(OSError) as ei:
+            led.add(1)
+        assert ei.value.errno == errno.EIO and led.reopened == 2  # not a race: raised
+
+        def always_bad(fd, op):
+            raise OSError(errno.EBADFD, "File descriptor in bad state")
+
+        monkeypatch.setattr(L, "MKDIR_RACE_S", 0.05)
+        monkeypatch.setattr(L.fcntl, "flock", always_bad)
+        with pytest.raises(OSError) as ei:
+            led.add(1)
+        assert ei.value.errno == errno.EBADFD  # bad past the window: raised
+        monkeypatch.setattr(L.fcntl, "flock", real)
+        assert led.get() == 105
+    finally:
+        led.close()
