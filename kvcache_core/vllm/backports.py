@@ -96,21 +96,14 @@ def _defer_finish_signal(cls: type, manager_cls: type) -> bool:
             # follow (no request state to build one from)
             return request_finished(self, request)
         manager = self.manager
-        own = manager.__dict__.get("on_request_finished") if hasattr(manager, "__dict__") \
-            else None
         held: list[Any] = []
-        try:
-            # the one on_request_finished call vLLM makes in here is recorded, not sent
-            manager.on_request_finished = held.append
-        except AttributeError:  # a manager with __slots__: vLLM's order, unfixed
-            return request_finished(self, request)
+        # the one on_request_finished call vLLM makes in here is recorded, not sent (an
+        # instance attribute over vLLM's plain class, removed again below)
+        manager.on_request_finished = held.append
         try:
             result = request_finished(self, request)
         finally:
-            if own is None:
-                del manager.on_request_finished  # the class's method again
-            else:
-                manager.on_request_finished = own
+            del manager.on_request_finished  # the class's method again
         deferred = self.__dict__.setdefault(_DEFERRED, {})
         for req_context in held:
             deferred[req_context.req_id] = req_context

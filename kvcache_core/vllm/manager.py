@@ -981,6 +981,7 @@ class PyKVCacheManager(OffloadingManager):
         dram_only: list[bool] | None = None
         if not self.healthy:  # recompute-only: the workers cannot store any more
             keys = ()
+        wb_cap = self._wb_cap()  # fixed for this call: nothing here starts or ends a load
         for key in keys:
             if (key in self._storing
                     or (self.dram is not None and self.dram.lookup(key) >= 0)
@@ -1010,7 +1011,7 @@ class PyKVCacheManager(OffloadingManager):
                 self._unproven.add(key)
                 self.counters["stores_disk_deferred"] += 1
             elif slot >= 0 and disk:
-                if len(self._wb_storing) + len(self._wb_pinned) >= self._wb_cap():
+                if len(self._wb_storing) + len(self._wb_pinned) >= wb_cap:
                     behind = True  # the disk is behind: this block stays in DRAM only
                     self._dram_only.add(key)
                     self._behind.add(key)
