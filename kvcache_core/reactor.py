@@ -996,6 +996,8 @@ class Reactor(LoadRouting):
         t.t_op = time.monotonic()
         self._io_inflight += 1
         self.engine.read(t.tag | OP_READ, t.fd, self._iov[slot], 0)
+        if self.trace is not None:  # per block: the order the disk is asked to read in
+            self._trace("read_start", t.req.req_id, t.idx)
 
     # ---------------------------------------------------------------- completions
     def _on_cqe(self, tag: int, res: int) -> None:
@@ -1045,6 +1047,8 @@ class Reactor(LoadRouting):
     def _on_read(self, t: Task, res: int) -> None:
         """A block's read completed (``res``: bytes read or -errno)."""
         self._io_inflight -= 1
+        if self.trace is not None:
+            self._trace("read_done", t.req.req_id, t.idx)
         self.engine.close(t.tag | OP_CLOSE, t.fd)
         t.fd = -1
         self._spec_live.discard(t)

@@ -63,6 +63,10 @@ B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$RO
 KVX=()  # the same keys for the server-based steps (sharegpt, replay)
 for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); KVX+=(--kv-extra "$kv"); done
 if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
+# TRACE=1: keep every engine's reactor event trace and request times under
+# $RES/trace-$STEP$SUFFIX (read them with `scripts/trace_report.py DIR --loads`: per load
+# job, when its disk reads ran and how much they interleaved with other jobs')
+if [ -n "${TRACE:-}" ]; then mkdir -p "$RES/trace-$STEP${SUFFIX:-}"; B+=(--trace "$RES/trace-$STEP${SUFFIX:-}"); fi
 # STORE_DRAIN=S: py-kvcache's store phase puts every stored block on disk (writeback_flush
 # in that phase, then up to S seconds per storing request for the write-back to drain),
 # so the load phase starts with the whole workload on disk as native_fs's does (without
@@ -112,11 +116,13 @@ case "$STEP" in
     # disk-only, preload on vs off vs native_fs; D from $TOKENS (one size per call fits
     # the 10-minute limit: 10240, 40960 or 65536). CONFIGS narrows a call further.
     # Documents: as many as the 64 GB disk holds (up to 8.6 GB each at 64k on the 8B),
-    # repeated so that at least 50 requests are in flight at once.
+    # repeated so that at least 50 requests are in flight at once. The engine's process
+    # tree is sampled (--sample-interval) so every row, native_fs's too, has the bytes
+    # its load phase read from storage (`tree read`; py-kvcache also counts its own).
     TOKENS=${TOKENS:-40960}
     if [ "$TOKENS" -gt 40960 ]; then DOCS=4; REP=13; else DOCS=8; REP=7; fi
     "${B[@]}" --json "$RES/preload50-run-$M-$TOKENS$SFX.json" --tokens "$TOKENS" \
-      --docs $DOCS --repeats $REP --concurrency 50 --workload longdoc \
+      --docs $DOCS --repeats $REP --concurrency 50 --workload longdoc --sample-interval 0.25 \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
       --preload-json "$RES/preload-$M$SFX.json" ;;
   mixed)

@@ -14,7 +14,16 @@ GPU time (CUDA timing events); ``GIL wait``: the longest time the trace's probe 
 waited for the GIL (some thread held it that long); ``gc ms``: the longest garbage
 collection in the window (the collecting thread holds the GIL throughout).
 
-Usage: python scripts/trace_report.py TRACE_DIR [--json OUT]
+With ``--loads``, per engine instead: every load job in the order it reached the reactor
+(its id, chunks, when it came, when its first disk read started and its last one ended,
+when it completed, relative to the engine's first request), how many blocks it read
+itself, and how many reads of OTHER jobs ran inside its own first-to-last read window
+(``others``): near 0 when the disk serves the jobs one after the other (first come,
+first read), large when their reads interleave, which makes every job of a burst end
+late together (the fifty-client runs' "barrier": first tokens of several documents at
+one time).
+
+Usage: python scripts/trace_report.py TRACE_DIR [--json OUT] [--loads]
 """
 
 from __future__ import annotations
@@ -80,16 +89,84 @@ def window(events: list, times: list[float], t0: float, t1: float) -> dict[str, 
     return dict(counts)
 
 
+def load_jobs(reqs: list, events: list) -> list[dict]:
+    """The load jobs of one engine's trace (see the module doc, ``--loads``), in the
+    order they reached the reactor; times in ms from the first request's submit."""
+    t_base = min((q[2] for q in reqs), default=events[0][0] if events else 0.0)
+    jobs: dict = {}
+    order: list = []
+    reads: list = []  # (start time, job) of every disk read, in order
+    for t, ev, rid, n in events:
+        if ev == "load":
+            key = str(rid)
+            if key not in jobs:
+                order.append(key)
+            jobs[key] = {"job": key, "chunks": n, "submit_ms": (t - t_base) * 1e3,
+                         "first_read_ms": None, "last_read_ms": None, "done_ms": None,
+                         "reads": 0}
+        elif ev in ("read_start", "read_done", "done_load"):
+            j = jobs.get(str(rid))
+            if j is None:
+                continue
+            ms = (t - t_base) * 1e3
+            if ev == "read_start":
+                j["reads"] += 1
+                if j["first_read_ms"] is None:
+                    j["first_read_ms"] = ms
+                reads.append((ms, j["job"]))
+            elif ev == "read_done":
+                j["last_read_ms"] = ms
+            else:
+                j["done_ms"] = ms
+    out = []
+    for key in order:
+        j = jobs[key]
+        lo, hi = j["first_read_ms"], j["last_read_ms"]
+        j["others"] = (0 if lo is None or hi is None else
+                       sum(1 for ms, k in reads if lo <= ms <= hi and k != key))
+        out.append(j)
+    return out
+
+
+def print_loads(data: dict) -> list[dict]:
+    rows = []
+    for name, (reqs, events) in data.items():
+        jobs = load_jobs(reqs, events)
+        ttfts = sorted((q[3] - q[2]) * 1e3 for q in reqs)
+        print(f"== {name}: {len(jobs)} load jobs, {sum(j['reads'] for j in jobs)} disk "
+              f"reads; first tokens (ms, sorted): "
+              + " ".join(f"{x:.0f}" for x in ttfts[:12]) + (" ..." if len(ttfts) > 12 else ""))
+        print(f"{'job':>18} {'chunks':>6} {'submit':>8} {'1st read':>8} {'last read':>9} "
+              f"{'done':>8} {'reads':>5} {'others':>6}")
+
+        def f(v):
+            return "-" if v is None else f"{v:.0f}"
+        for j in jobs:
+            rows.append({"engine": name, **j})
+            print(f"{j['job'][:18]:>18} {j['chunks']:>6} {f(j['submit_ms']):>8} "
+                  f"{f(j['first_read_ms']):>8} {f(j['last_read_ms']):>9} {f(j['done_ms']):>8} "
+                  f"{j['reads']:>5} {j['others']:>6}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace_dir")
     ap.add_argument("--json", help="also write the per-request rows here")
+    ap.add_argument("--loads", action="store_true",
+                    help="per load job: submit, first/last disk read, done, interleaving")
     a = ap.parse_args(argv)
     data = load(a.trace_dir)
     if not data:
         print(f"no *.requests.json under {a.trace_dir}", file=sys.stderr)
         return 2
+    if a.loads:
+        rows = print_loads(data)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     rows = []
     for name, (reqs, events) in data.items():
         times = [e[0] for e in events]

@@ -1135,3 +1135,45 @@ def test_trace_gil_probe_sees_a_long_gil_hold_and_the_report_shows_it(make_layou
     close_reactor(r)
     assert wait_until(lambda: probes() <= before - 1)  # the probe ends with its reactor
     assert cb not in gc.callbacks  # and so does the gc callback
+
+
+def test_trace_records_every_read_and_the_loads_report_shows_the_order(make_layout,
+                                                                       make_reactor,
+                                                                       tmp_path):
+    """With the diagnostic trace on, every disk read leaves ``read_start`` and
+    ``read_done`` events (request id, item index). Two load jobs submitted together with
+    one read in flight at a time are read one after the other, first come first read,
+    which ``scripts/trace_report.py --loads`` shows per job: its own reads, and 0 reads
+    of the other job inside its first-to-last read window; a job whose keys another
+    job is reading joins that read and reads nothing itself."""
+    import json
+
+    lay = make_layout()
+    r = make_reactor(lay, trace=True, io_depth=1, n_slots=3, lookahead=2)
+    ka, kb = keys_of("ta", 4), keys_of("tb", 4)
+    store_all(r, ka + kb)
+    assert finish(r)["store"].ok == [True] * 8
+    t0 = time.monotonic()
+    dests = {j: [sentinel_buf(BLOCK) for _ in range(4)] for j in "ABC"}
+    r.load("A", [(k, d, BLOCK) for k, d in zip(ka, dests["A"], strict=True)])
+    r.load("B", [(k, d, BLOCK) for k, d in zip(kb, dests["B"], strict=True)])
+    r.load("C", [(k, d, BLOCK) for k, d in zip(kb, dests["C"], strict=True)])  # joins B
+    done = finish(r)
+    assert all(done[j].ok == [True] * 4 for j in "ABC")
+    check_dests(ka, dests["A"]), check_dests(kb, dests["B"]), check_dests(kb, dests["C"])
+    starts = [(e[2], e[3]) for e in r.trace if e[1] == "read_start"]
+    assert starts == [("A", i) for i in range(4)] + [("B", i) for i in range(4)], starts
+    assert sum(e[1] == "read_done" for e in r.trace) == 8
+    d = tmp_path / "trace"
+    d.mkdir()
+    (d / "x.requests.json").write_text(json.dumps([["req", 16, t0, time.monotonic()]]))
+    (d / "x.r0.json").write_text(json.dumps([list(e) for e in r.trace]))
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "trace_report.py"),
+                          str(d), "--loads", "--json", str(tmp_path / "jobs.json")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "others" in out and "1st read" in out, out
+    jobs = {j["job"]: j for j in json.loads((tmp_path / "jobs.json").read_text())}
+    assert [jobs[j]["reads"] for j in "ABC"] == [4, 4, 0]
+    assert jobs["A"]["others"] == jobs["B"]["others"] == 0
+    assert jobs["A"]["last_read_ms"] <= jobs["B"]["first_read_ms"]
+    assert all(jobs[j]["done_ms"] is not None for j in "ABC")
