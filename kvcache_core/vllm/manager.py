@@ -502,6 +502,12 @@ class PyKVCacheManager(OffloadingManager):
         #: ``protect_queue``: key -> position of the first waiting request in view that
         #: reads it (empty unless preload_protect is on)
         self._queue_rank: dict[OffloadKey, int] = {}
+        #: ``protect_queue``: the waiting requests in view, in order, and req id -> its
+        #: position there; ``_queue_sets``: a request's chunk keys as a set, built only
+        #: when :meth:`_next_reader` needs it (a promotion for the head of the queue)
+        self._queue_ids: list[str] = []
+        self._queue_pos: dict[str, int] = {}
+        self._queue_sets: dict[str, tuple[int, frozenset[OffloadKey]]] = {}
         self._lookup_fast = 0
         self._lookup_fast_staged = False
         #: bytes a key's files hold over all ranks (what reading it from disk costs)
@@ -718,14 +724,18 @@ class PyKVCacheManager(OffloadingManager):
         built once and kept while it stays in view.
 
         It also records each key's rank (the position of the first request in view that
-        reads it) for :meth:`_queue_admits`, Belady's admission over the queue: until the
-        next call, a store or promotion does not take a DRAM slot whose victim a request
-        in view reads before it reads the new block. Scheduler thread only."""
+        reads it) and the requests' positions for :meth:`_queue_admits`, Belady's
+        admission over the queue: until the next call, a store or promotion does not
+        take a DRAM slot whose victim a request in view reads before the new block is
+        read again. Scheduler thread only."""
         dram = self.dram
-        rank = self._queue_rank
+        rank, pos_of = self._queue_rank, self._queue_pos
         rank.clear()
+        pos_of.clear()
         if dram is None or not requests:
+            self._queue_ids = []
             return
+        self._queue_ids = [r.request_id for r in requests]
         refresh, index = dram.policy.refresh, dram.index
         cache, keep = self._protect_keys, {}
         n = 0
@@ -742,6 +752,7 @@ class PyKVCacheManager(OffloadingManager):
                                 for h in itertools.islice(hashes, hpc - 1, None, hpc))
                 got = (len(hashes), keys)
             keep[rid] = got
+            pos_of[rid] = pos
             keys = got[1]
             for i in range(len(keys) - 1, -1, -1):  # tail first: the head ends newest
                 key = keys[i]
@@ -750,13 +761,41 @@ class PyKVCacheManager(OffloadingManager):
                     refresh(key)
                     n += 1
         self._protect_keys = keep
+        if self._queue_sets:
+            self._queue_sets = {r: v for r, v in self._queue_sets.items() if r in keep}
         self.counters["dram_protected"] += n
 
-    def _queue_admits(self, key: OffloadKey) -> bool:
+    def _next_reader(self, key: OffloadKey, pos: int) -> int:
+        """Position of the first request in view after position ``pos`` that reads
+        ``key`` (1 << 30 when none does). Builds (and keeps while in view) the key set
+        of each request it checks: costs nothing on a step without such a promotion.
+        Scheduler thread only."""
+        ids, sets, keep = self._queue_ids, self._queue_sets, self._protect_keys
+        for p in range(pos + 1, len(ids)):
+            rid = ids[p]
+            got = keep.get(rid)
+            if got is None:
+                continue
+            ks = sets.get(rid)
+            if ks is None or ks[0] != got[0]:
+                ks = sets[rid] = (got[0], frozenset(got[1]))
+            if key in ks[1]:
+                return p
+        return 1 << 30
+
+    def _queue_admits(self, key: OffloadKey, reader: str | None = None) -> bool:
         """``preload_protect``: whether ``key`` may take a DRAM slot now. False when the
-        slot's victim is read by a request in view earlier than ``key`` is (a key no
-        request in view reads ranks last); True when a slot is free, the victim is not
-        in view, or the queue was not ranked (protect off). Counted when False."""
+        slot's victim is read by a request in view earlier than ``key`` is read next (a
+        key no request in view reads ranks last); True when a slot is free, the victim
+        is not in view, or the queue was not ranked (protect off). Counted when False.
+
+        ``reader``: the request that loads ``key`` now (a promotion). Its own read does
+        not need the slot (without one the block comes through staging), so the block's
+        next use is the NEXT request in view that reads it: a promotion for a request at
+        the head of the queue must not evict the blocks of the request behind it (the
+        fifty-client runs: the second reader of a document, waiting for the first one's
+        promotion, found its blocks evicted by the promotions of a third document and
+        read them all again)."""
         rank = self._queue_rank
         if not rank:
             return True
@@ -765,7 +804,12 @@ class PyKVCacheManager(OffloadingManager):
         if victim is None:
             return True
         rv = rank.get(victim)
-        if rv is None or rv >= rank.get(key, 1 << 30):
+        if rv is None:
+            return True
+        rk = rank.get(key, 1 << 30)
+        if reader is not None and rk == self._queue_pos.get(reader, -1):
+            rk = self._next_reader(key, rk)
+        if rv >= rk:
             return True
         self.counters["dram_queue_refused"] += 1
         return False
@@ -842,7 +886,8 @@ class PyKVCacheManager(OffloadingManager):
                         self._hot[key] = None
             for i in range(len(keys)):
                 if recs[i][1] == "disk":
-                    slot = self._acquire(None) if self._queue_admits(keys[i]) else -1
+                    slot = (self._acquire(None) if self._queue_admits(keys[i], req_id)
+                            else -1)
                     if slot >= 0:
                         recs[i] = (slot, "promote")
         slots, flags = [], []

@@ -772,3 +772,55 @@ def test_protect_queue_evicts_what_the_queue_needs_last(tmp_path, vllm_available
     assert m._protect_keys["r100"][0] == 6 and len(m._protect_keys["r100"][1]) == 3
     assert set(m._protect_keys) == {"r100"}  # the others left the view: forgotten
     m.dram.check()
+
+
+def test_protect_queue_promotion_serves_the_next_reader_not_the_loading_one(
+        tmp_path, vllm_available):
+    """preload_protect, promotions: the request that loads a block reads it whether or
+    not it gets a DRAM slot (without one, through staging), so the promotion's value is
+    the block's NEXT reader in view. A promotion for the head of the queue whose blocks
+    no other request in view reads takes no slot whose victim the second request in view
+    reads (the fifty-client runs: the second reader of a document lost the first
+    reader's promoted blocks to a third document's promotions and read them again); a
+    promotion whose block a request in view reads before the victim's reader takes it."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager, make_offload_key
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=2, writeback_max_fraction=1.0)
+    g = SimpleNamespace(group_idx=0, hashes_per_chunk=2, tokens_per_chunk=256)
+    w = ReqContext("writer")
+
+    def doc(base: int, rid: str) -> tuple[SimpleNamespace, list]:
+        hashes = [(base + i).to_bytes(32, "big") for i in range(4)]  # 2 chunks
+        return (SimpleNamespace(request_id=rid, block_hashes=hashes),
+                [make_offload_key(h, 0) for h in hashes[1::2]])
+
+    r_x, kx = doc(100, "x")    # X: a document on disk only, read by X alone
+    r_y, ky = doc(200, "y")    # Y: its document in the DRAM tier, waiting behind X
+    r_x2, _ = doc(100, "x2")   # a second reader of X's document
+    for k in kx + ky:  # every block has its file; Y's stay in the DRAM tier (full)
+        m.prepare_store([k], w)
+        m.complete_store([k], w)
+        m.on_worker_report(set(), {}, None, {k: 1})
+    assert all(m.dram.lookup(k) >= 0 for k in ky) and m.dram.lookup(kx[0]) < 0
+
+    # X at the head, Y behind it: X's promotion would evict Y's blocks, and no one in
+    # view reads X's blocks after X: X reads through staging, Y keeps its blocks
+    m.protect_queue([r_x, r_y], [g])
+    spec = m.prepare_load(kx, ReqContext("x"))
+    assert spec.dram_slots == [-1, -1], spec
+    assert all(m.dram.lookup(k) >= 0 for k in ky)
+    assert m.stats()["dram_queue_refused"] == 2 and m.stats()["promotions"] == 0
+    for k in kx:
+        m.complete_load([k], ReqContext("x"))
+
+    # a second reader of X's document waits before Y: X's promotion serves it, so it
+    # takes the slot of Y's (later-read) block
+    m.protect_queue([r_x, r_x2, r_y], [g])
+    spec = m.prepare_load(kx[:1], ReqContext("x"))
+    assert spec.dram_slots[0] >= 0 and m.stats()["promotions"] == 1
+    m.dram.check()
