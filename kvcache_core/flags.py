@@ -15,3 +15,9 @@ NO_DISK = 2
 #: write-back, "flush"). The slot must hold the key (checked) and stay unchanged until
 #: the item completes: the caller keeps it pinned meanwhile.
 FLUSH = 4
+#: load item, with IN_SLOT: the slot is being filled by an earlier load item of the same
+#: key (a promotion submitted before this one, still reading): wait until that item is
+#: done, then copy from the slot as for a DRAM hit. When that read failed, the slot's
+#: header no longer names the key and the header check fails this item (a recompute,
+#: never other bytes). Never served without the reactor (the worker's direct DRAM path).
+AFTER_LOAD = 8

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .copy import Copier, NullCopier
-from .flags import FLUSH, IN_SLOT, NO_DISK
+from .flags import AFTER_LOAD, FLUSH, IN_SLOT, NO_DISK
 from .io import IOEngine, make_engine, probe_direct
 from .layout import HEADER_BYTES, MAX_KEY_BYTES, CapacityExceeded, CorruptBlock, Layout, round_up
 from .routing import LoadRouting
@@ -228,6 +228,9 @@ class ReactorStats:
     #: on-demand loads that joined another on-demand load's read of the same block (one
     #: read, one device copy each)
     loads_joined: int = 0
+    #: loads (``AFTER_LOAD``) that waited for another load's read into the DRAM-tier slot
+    #: they copy from (a promotion in flight): one read, one device copy each
+    loads_joined_promotion: int = 0
     preload_deduped: int = 0
     bytes_read: int = 0
     #: successful disk reads of a block this reactor had already read from disk (issue 10:
@@ -728,6 +731,20 @@ class Reactor(LoadRouting):
             if len(item) > 3 and item[3] >= 0:
                 t.slot, t.ext, t.flags = item[3], True, item[4]
                 if kind == LOAD and t.flags & IN_SLOT:  # DRAM tier owned by the caller
+                    if t.flags & AFTER_LOAD:
+                        # it copies from a slot that a promotion of its key fills: it
+                        # owns the slot while it copies (so a later task that reuses
+                        # the slot waits for it), and waits while the promotion (or an
+                        # earlier such load) owns it (started by _release_ext)
+                        t.xslot = t.slot
+                        self.stats.loads_joined_promotion += 1
+                        if t.slot in self._ext_owner:
+                            self._ext_wait.setdefault(t.slot, collections.deque()).append(t)
+                            continue
+                        self._ext_owner[t.slot] = t.tid
+                        t.state = READY
+                        self._ready.append(t)
+                        continue
                     t.state = READY
                     self.stats.loads_dram += 1
                     self._ready.append(t)
@@ -1345,6 +1362,11 @@ class Reactor(LoadRouting):
 
     def _finish(self, t: Task, ok: bool) -> None:
         ext_slot = t.xslot if t.xslot >= 0 and self._ext_owner.get(t.xslot) == t.tid else -1
+        if (not ok and ext_slot >= 0 and t.kind == LOAD and not t.flags & IN_SLOT
+                and ext_slot in self._ext_wait):
+            # a promotion that failed (missing, corrupt, I/O error, expired): the loads
+            # waiting to copy from its slot must not take what the read left there
+            self.pool.views[ext_slot][:8] = bytes(8)
         self._report(t, ok)
         self._free(t, ext_slot)
 
@@ -1449,6 +1471,9 @@ class Reactor(LoadRouting):
                 t.fd = -1
             self._store_cleanup(t)
         ext_slot = t.xslot if t.xslot >= 0 and self._ext_owner.get(t.xslot) == t.tid else -1
+        if (ext_slot >= 0 and t.kind == LOAD and not t.flags & IN_SLOT
+                and ext_slot in self._ext_wait):  # what the late read left: not a block
+            self.pool.views[ext_slot][:8] = bytes(8)
         self._free(t, ext_slot)
 
     def _release_ext(self, slot: int) -> None:
@@ -1461,6 +1486,10 @@ class Reactor(LoadRouting):
         if not waiting:
             del self._ext_wait[slot]
         self._ext_owner[slot] = nxt.tid
+        if nxt.kind == LOAD and nxt.flags & IN_SLOT:  # AFTER_LOAD: the read it waited for
+            nxt.state = READY                        # is done (or failed: header zeroed)
+            self._ready.append(nxt)
+            return
         self._route(nxt)
 
     def trace_event(self, event: str, req_id: Any = None, n: int = 0) -> None:

@@ -119,12 +119,15 @@ case "$STEP" in
     # repeated so that at least 50 requests are in flight at once. The engine's process
     # tree is sampled (--sample-interval) so every row, native_fs's too, has the bytes
     # its load phase read from storage (`tree read`; py-kvcache also counts its own).
+    # VARIANTS="NAME=BASE:KEY=JSON ..." adds py-kvcache configurations with extra keys
+    # (list NAME in CONFIGS), e.g. VARIANTS=kvcache_preload_join=kvcache_preload:join_promotions=true
     TOKENS=${TOKENS:-40960}
     if [ "$TOKENS" -gt 40960 ]; then DOCS=4; REP=13; else DOCS=8; REP=7; fi
+    VA=(); for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
     "${B[@]}" --json "$RES/preload50-run-$M-$TOKENS$SFX.json" --tokens "$TOKENS" \
       --docs $DOCS --repeats $REP --concurrency 50 --workload longdoc --sample-interval 0.25 \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
-      --preload-json "$RES/preload-$M$SFX.json" ;;
+      --preload-json "$RES/preload-$M$SFX.json" "${VA[@]}" ;;
   mixed)
     # issue 4 item 5: 50 requests of 64k tokens, half reuse a cached prefix (5 docs x 5),
     # at most 8 in flight

@@ -132,6 +132,19 @@ def test_write_preload_merges_by_workload_config_tokens(tmp_path):
     assert got == {("longdoc", "kvcache_nopreload"): 2.0, ("longdoc", "kvcache_preload"): 3.0,
                    ("mixed", "kvcache_preload"): 4.0}
     assert "kvcache_nopreload" in open(str(tmp_path / "preload-x.md")).read()
+    # a --variant of a preload configuration is a row too (its base and keys kept), and
+    # the plot orders it next to its base; a variant of another configuration is not
+    v = run("kvcache_preload_join", 5.0)
+    v["results"][0].update(base="kvcache_preload", kv_extra={"join_promotions": True})
+    o = run("kvcache_dram_x", 6.0)
+    o["results"][0]["base"] = "kvcache_dram"
+    v["results"] += o["results"]
+    L.write_preload(v, path, "longdoc")
+    rows = json.loads(open(path).read())["results"]
+    (j,) = [r for r in rows if r["config"] == "kvcache_preload_join"]
+    assert j["base"] == "kvcache_preload" and j["kv_extra"] == {"join_promotions": True}
+    assert j["mean_ttft_s"] == 5.0 and not any(r["config"] == "kvcache_dram_x" for r in rows)
+    assert "kvcache_preload_join" in open(str(tmp_path / "preload-x.md")).read()
 
 
 # ---------------------------------------------------------------- SCBench-like workload

@@ -1177,3 +1177,52 @@ def test_trace_records_every_read_and_the_loads_report_shows_the_order(make_layo
     assert jobs["A"]["others"] == jobs["B"]["others"] == 0
     assert jobs["A"]["last_read_ms"] <= jobs["B"]["first_read_ms"]
     assert all(jobs[j]["done_ms"] is not None for j in "ABC")
+
+
+def test_a_load_after_a_promotion_copies_from_its_slot_once_read(make_layout, make_reactor):
+    """``AFTER_LOAD`` (``join_promotions``): loads of a key whose promotion into a
+    caller-owned slot was submitted before them wait until that read is done, then copy
+    from the slot: one disk read for all of them, the right bytes in every destination,
+    and a store that reuses the slot next waits until their copies are done. When the
+    promotion fails (its file is missing), the slot's header is zeroed before the waiting
+    loads start, so a header check (the vLLM copier's) fails them instead of copying
+    what the read left there."""
+    from kvcache_core.flags import AFTER_LOAD, IN_SLOT
+
+    lay = make_layout()
+    r = make_reactor(lay, n_slots=6, io_depth=2, external_slots=1)
+    slot = r.n_staging
+    k, s = b"promo-k", b"promo-store"
+    lay.write_block(k, payload(k, BLOCK))
+    da, db, dc = (sentinel_buf(BLOCK) for _ in range(3))
+    r.load("A", [(k, da, BLOCK, slot, 0)])  # promotion into the caller's slot
+    r.load("B", [(k, db, BLOCK, slot, IN_SLOT | AFTER_LOAD)])
+    r.load("C", [(k, dc, BLOCK, slot, IN_SLOT | AFTER_LOAD)])
+    r.store("S", [(s, payload(s, BLOCK), BLOCK, slot, 0)])  # reuses the slot after them
+    done = finish(r)
+    assert all(done[j].ok == [True] for j in "ABCS"), done
+    for d in (da, db, dc):
+        check_dests([k], [d])
+    assert r.stats.bytes_read == lay.ns.file_bytes  # one read for the three loads
+    assert r.stats.loads_joined_promotion == 2 and r.stats.loads_dram == 0
+    assert lay.read_block(s) == payload(s, BLOCK)
+    view = r.pool.views[slot]
+    assert bytes(view[HEADER_BYTES:HEADER_BYTES + BLOCK]) == payload(s, BLOCK)
+
+    # the promotion fails: the waiting load finds no block header in the slot
+    m = b"promo-missing"
+    de, df = sentinel_buf(BLOCK), sentinel_buf(BLOCK)
+    r.load("E", [(m, de, BLOCK, slot, 0)])
+    r.load("F", [(m, df, BLOCK, slot, IN_SLOT | AFTER_LOAD)])
+    done = finish(r)
+    assert done["E"].ok == [False]
+    assert bytes(r.pool.views[slot][:8]) == bytes(8)  # magic zeroed before F copied
+    assert r.stats.loads_joined_promotion == 3
+    # a load after a promotion that already finished copies at once (and owns the slot
+    # while it does)
+    dg = sentinel_buf(BLOCK)
+    r.load("G", [(k, None, 0, slot, 0)])
+    finish(r)
+    r.load("H", [(k, dg, BLOCK, slot, IN_SLOT | AFTER_LOAD)])
+    assert finish(r)["H"].ok == [True]
+    check_dests([k], [dg])

@@ -1337,8 +1337,11 @@ PRELOAD_KEYS = ("tokens", "concurrency", "mean_ttft_s", "median_ttft_s", "p90_tt
 def write_preload(run: dict, path: str, workload: str) -> dict:
     """Write / merge the preload result file: rows keyed by (workload, config, tokens);
     a later run replaces only its own rows. Also a Markdown table next to it."""
-    rows = [{"workload": workload, "config": r["config"], **{k: r.get(k) for k in PRELOAD_KEYS}}
-            for r in run["results"] if r.get("config") in PRELOAD_CONFIGS and "tokens" in r]
+    # a --variant of a preload configuration is a row too, with its base and extra keys
+    rows = [{"workload": workload, "config": r["config"], **{k: r.get(k) for k in PRELOAD_KEYS},
+             **{k: r[k] for k in ("base", "kv_extra") if k in r}}
+            for r in run["results"]
+            if r.get("base", r.get("config")) in PRELOAD_CONFIGS and "tokens" in r]
     old: list[dict] = []
     if os.path.exists(path):
         with open(path) as f:
@@ -1405,7 +1408,8 @@ def plot_preload(out: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
     for ax, (wl, d) in zip(axes[0], groups, strict=True):
         rs = [r for r in rows if (r["workload"], r["tokens"]) == (wl, d)]
-        rs.sort(key=lambda r: PRELOAD_CONFIGS.index(r["config"]))
+        rs.sort(key=lambda r: (PRELOAD_CONFIGS.index(r.get("base", r["config"])),
+                               r["config"]))  # a --variant next to its base
         xs = range(len(rs))
         reuse = [r.get("mean_ttft_reuse_s") or r["mean_ttft_s"] for r in rs]
         fresh = [r.get("mean_ttft_noreuse_s") or 0.0 for r in rs]

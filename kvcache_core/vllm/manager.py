@@ -89,7 +89,7 @@ from vllm.v1.kv_offload.base import (
 
 from ..admission import AdmissionDuel
 from ..breakeven import GATE_TIERS
-from ..flags import IN_SLOT
+from ..flags import AFTER_LOAD, IN_SLOT
 from ..layout import LayoutIndex, Namespace
 from ..staging import SlotAllocator
 from . import compat
@@ -111,6 +111,11 @@ MANAGER_COUNTERS: dict[str, str] = {
     "hits_pending": "Lookups of a disk block that another request is reading into the DRAM "
     "tier right now: HIT_PENDING, so the request waits for that read instead of reading "
     "the file again (one disk read per block in use).",
+    "hits_promoting": "join_promotions: lookups of a disk block that another request is "
+    "reading into the DRAM tier right now, answered HIT: the load copies from that slot "
+    "once the read is done (one disk read, no wait in vLLM's queue).",
+    "loads_join_promotion": "join_promotions: chunks loaded from a DRAM-tier slot that "
+    "another request's promotion was filling (counted in loads_disk too).",
     "loads_dram": "Chunks loaded from the DRAM tier.",
     "loads_disk": "Chunks loaded from disk (promotions included).",
     "promotions": "Disk chunks loaded into a DRAM-tier slot (kept there on success).",
@@ -378,7 +383,8 @@ class PyKVCacheManager(OffloadingManager):
                  eviction_policy: str = "lru", enable_events: bool = False,
                  writeback_max_fraction: float | str = "auto",
                  writeback_flush: bool = False,
-                 lookup_cache_s: float = 0.0, disk_admission: str = "all") -> None:
+                 lookup_cache_s: float = 0.0, disk_admission: str = "all",
+                 join_promotions: bool = False) -> None:
         if disk_admission not in DISK_ADMISSIONS:
             raise ValueError(f"disk_admission must be one of {DISK_ADMISSIONS}, got "
                              f"{disk_admission!r}")
@@ -437,6 +443,10 @@ class PyKVCacheManager(OffloadingManager):
         self._held: dict[int, tuple[str, list[tuple[OffloadKey, tuple[int, str]]]]] = {}
         # keys being read from disk into a DRAM-tier slot (promotions in flight)
         self._promoting: collections.Counter[OffloadKey] = collections.Counter()
+        #: ``join_promotions``: a later load of a key being promoted copies from the
+        #: promotion's slot (key -> that slot) instead of waiting (HIT_PENDING)
+        self.join_promotions = join_promotions
+        self._promote_slot: dict[OffloadKey, int] = {}
         self._failed: set[OffloadKey] = set()
         self.counters: collections.Counter[str] = collections.Counter()
         self._reported: dict[str, int] = {}
@@ -835,6 +845,13 @@ class PyKVCacheManager(OffloadingManager):
                 self._lookup_fast += 1
             return LookupResult.HIT
         if self._promoting and self._promoting.get(key):
+            if self.join_promotions and key in self._promote_slot:
+                # another request is reading this block into a DRAM-tier slot: load it
+                # now, copied from that slot once the read is done (prepare_load)
+                self.counters["hits_promoting"] += 1
+                self._lookup_disk = True
+                self._lookup_disk_n += 1
+                return LookupResult.HIT
             # another request is reading this block into the DRAM tier right now: wait
             # for that read (vLLM retries the lookup next step) instead of a second one
             self.counters["hits_pending"] += 1
@@ -871,12 +888,16 @@ class PyKVCacheManager(OffloadingManager):
         """Pin the DRAM-cached keys (IN_SLOT loads), then give each other key a DRAM slot
         to be read into (promotion) when the tier has one to spare, else -1 (the worker
         reads through a staging slot). Pinning first means a promotion can never evict a
-        block this same load is about to read."""
+        block this same load is about to read. With ``join_promotions``, a key another
+        request is promoting now is loaded from that promotion's slot once its read is
+        done (IN_SLOT | AFTER_LOAD: the reactor orders the two on the slot, and keeps a
+        later user of the slot waiting until the copy is done), not read again."""
         req_id = req_context.req_id
         keys = list(keys)
         recs: list[tuple[int, str]] = [(-1, "disk")] * len(keys)
         if self.dram is not None:
             unproven = self._unproven
+            joining = self.join_promotions and self._promote_slot
             for i, key in enumerate(keys):
                 slot = self.dram.pin(key)
                 if slot >= 0:
@@ -884,6 +905,8 @@ class PyKVCacheManager(OffloadingManager):
                     if unproven and key in unproven:  # read again: worth a file now
                         unproven.discard(key)
                         self._hot[key] = None
+                elif joining and key in self._promote_slot:
+                    recs[i] = (self._promote_slot[key], "join")
             for i in range(len(keys)):
                 if recs[i][1] == "disk":
                     slot = (self._acquire(None) if self._queue_admits(keys[i], req_id)
@@ -902,13 +925,17 @@ class PyKVCacheManager(OffloadingManager):
             if how == "promote":
                 self.counters["promotions"] += 1
                 self._promoting[key] += 1
+                self._promote_slot[key] = rec[0]
+            elif how == "join":
+                self.counters["loads_join_promotion"] += 1
             prev = self._loading.pop((req_id, key), None)
             if prev is not None:  # pragma: no cover - vLLM issues one load per request
                 self._finish_load(key, prev, failed=True)
             self._loading[(req_id, key)] = rec
             self._loading_refs[key] += 1
             slots.append(rec[0])
-            flags.append(IN_SLOT if how == "pin" else 0)
+            flags.append(IN_SLOT if how == "pin" else IN_SLOT | AFTER_LOAD if how == "join"
+                         else 0)
         return PyKVLoadSpec(keys, slots, flags)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -958,6 +985,8 @@ class PyKVCacheManager(OffloadingManager):
             self._promoting[key] -= 1
             if self._promoting[key] <= 0:
                 del self._promoting[key]
+            if self._promote_slot.get(key) == slot:
+                del self._promote_slot[key]  # later loads find it retained, or read it
             if failed:
                 self.dram.release(slot)
             else:
@@ -1168,6 +1197,7 @@ class PyKVCacheManager(OffloadingManager):
         self._held.clear()
         self._loading_refs.clear()
         self._promoting.clear()
+        self._promote_slot.clear()
         self._failed.clear()
         self._staged.clear()
 

@@ -57,7 +57,7 @@ GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookah
                                "disk_lookup_cache_s", "dram_load_sync", "gpu_kv_layout",
                                "preload_protect", "disk_load_hold_s", "disk_load_hold_when",
                                "disk_backlog_gate",
-                               "gate_balance")
+                               "gate_balance", "join_promotions")
 PRIVATE_KEYS: tuple[str, ...] = (MODEL_DTYPE_KEY, MODEL_IDENTITY_KEY)
 #: Public names from the design that this version does not implement: refusing them is
 #: better than silently running without the feature the operator asked for.
@@ -148,6 +148,17 @@ GLUE_KEY_HELP: dict[str, str] = {
     "(H100, preload on first) against the same keys without preload, on the queued mixed "
     "16 x 40k "
     "(docs/results/h200/README.md); not measured alone.",
+    "join_promotions": "true or false (default false). A request whose prefix another "
+    "request is reading from disk into the DRAM tier right now (a promotion) loads now "
+    "and copies those blocks from that slot once the read is done, instead of waiting in "
+    "vLLM's queue until the read ends (HIT_PENDING; vLLM schedules the requests behind it "
+    "meanwhile, and their promotions may evict the block before it is used: the "
+    "fifty-client runs on an H100 read a document's blocks a second time so). One disk "
+    "read either way; the wait moves from vLLM's queue into the load, and the request "
+    "keeps its place. A failed read fails the joined chunks too (the slot's header no "
+    "longer names the key): they are recomputed. Counters hits_promoting, "
+    "loads_join_promotion. New in the thirty-fifth session, CPU-tested, not yet measured "
+    "on a GPU.",
     "disk_load_hold_s": "Seconds (0 = off, the default; at most 3600). A waiting request "
     "whose reusable prefix must be read from disk, and that the break-even gate (if any) "
     "lets load, waits while another request's disk load is in flight, for at most this "
@@ -220,7 +231,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
     "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`", "preload_protect": "`auto`",
     "disk_load_hold_s": "0", "disk_load_hold_when": "`loading`",
-    "disk_backlog_gate": "false", "gate_balance": "false",
+    "disk_backlog_gate": "false", "gate_balance": "false", "join_promotions": "false",
 }
 
 #: values of ``disk_load_hold_when``: wait behind any disk load in flight, or only while
@@ -275,6 +286,8 @@ class VllmOptions:
     disk_load_hold_s: float = 0.0
     #: which waits ``disk_load_hold_s`` makes (:data:`HOLD_WHEN`)
     disk_load_hold_when: str = "loading"
+    #: a load of a key being promoted copies from the promotion's slot (no HIT_PENDING)
+    join_promotions: bool = False
 
 
 def _need(ok: bool, key: str, msg: str, value: Any) -> None:
@@ -370,6 +383,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
     hw = ex.get("disk_load_hold_when", "loading")
     _need(hw in HOLD_WHEN, "disk_load_hold_when",
           "must be " + " or ".join(repr(x) for x in HOLD_WHEN), hw)
+    jp = ex.get("join_promotions", False)
+    _need(isinstance(jp, bool), "join_promotions", "must be true or false", jp)
     gkl = ex.get("gpu_kv_layout", CROSS_LAYER)
     _need(gkl in GPU_KV_LAYOUTS, "gpu_kv_layout",
           "must be " + " or ".join(repr(x) for x in GPU_KV_LAYOUTS), gkl)
@@ -384,7 +399,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
                        disk_lookup_cache_s=lc,
                        model_identity=ex.get(MODEL_IDENTITY_KEY), dram_load_sync=dls,
                        dram_load_sync_set="dram_load_sync" in ex, gpu_kv_layout=gkl,
-                       disk_load_hold_s=float(hold), disk_load_hold_when=hw)
+                       disk_load_hold_s=float(hold), disk_load_hold_when=hw,
+                       join_promotions=jp)
 
 
 def check_block_size(opts: VllmOptions, gpu_tokens_per_block: int) -> None:

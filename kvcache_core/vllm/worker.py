@@ -61,7 +61,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ..config import StorageConfig, write_depth_reading_of
-from ..flags import FLUSH, IN_SLOT, NO_DISK
+from ..flags import AFTER_LOAD, FLUSH, IN_SLOT, NO_DISK
 from ..layout import Layout, Namespace
 from ..reactor import Completion, Item, Reactor
 from ..staging import Priority
@@ -237,7 +237,8 @@ class PyKVCacheWorker(OffloadingWorker):
         assert isinstance(src_spec, PyKVLoadSpec), type(src_spec)
         t0 = time.perf_counter()
         refs = self.kv.split(dst_spec, src_spec.keys)
-        all_dram = all(f & IN_SLOT for f in src_spec.flags)
+        # AFTER_LOAD chunks wait in the reactor for a promotion still reading their slot
+        all_dram = all(f & IN_SLOT and not f & AFTER_LOAD for f in src_spec.flags)
         if self.direct_dram and refs and all_dram:
             # every chunk is a DRAM hit: no disk, so no reactor either (see module doc)
             for ref in refs:

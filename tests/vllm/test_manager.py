@@ -411,6 +411,52 @@ def test_manager_concurrent_loads_of_one_block_read_it_once(tmp_path, vllm_avail
     m.dram.check()
 
 
+def test_manager_join_promotions_loads_from_the_promotion_slot(tmp_path, vllm_available):
+    """``join_promotions``: a lookup of a block another request is promoting is a HIT
+    (not HIT_PENDING), and its load copies from that promotion's slot (IN_SLOT |
+    AFTER_LOAD: the reactor waits for the read); once the promotion ended, the block is
+    a DRAM hit (retained) or, if the read failed, read again. One promotion, one slot."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.flags import AFTER_LOAD
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=4, join_promotions=True)
+    r1, r2, r3 = ReqContext("r1"), ReqContext("r2"), ReqContext("r3")
+    k1, k2 = key(1), key(2)
+    for k in (k1, k2):
+        p = m.disk[0].path_for(k)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        open(p, "w").close()
+    spec1 = m.prepare_load([k1, k2], r1)
+    assert spec1.flags == [0, 0] and min(spec1.dram_slots) >= 0  # both promoted
+    assert m.lookup(k1, r2) == LookupResult.HIT and m.lookup(k2, r2) == LookupResult.HIT
+    assert m.lookup_tier() == "disk"  # it waits for a disk read: the gate sees the disk
+    spec2 = m.prepare_load([k1, k2], r2)
+    assert spec2.dram_slots == spec1.dram_slots
+    assert spec2.flags == [IN_SLOT | AFTER_LOAD] * 2
+    s = m.stats()
+    assert s["hits_promoting"] == 2 and s["hits_pending"] == 0
+    assert s["loads_join_promotion"] == 2 and s["promotions"] == 2
+    assert m.disk_loads_in_flight == 4
+    m.on_worker_report({k2}, {})  # the promotion of k2 failed (so did r2's copy of it)
+    m.complete_load([k1, k2], r1)
+    m.complete_load([k1, k2], r2)
+    assert m.disk_loads_in_flight == 0 and not m._promote_slot
+    assert m.lookup(k1, r3) == LookupResult.HIT and m.dram.lookup(k1) >= 0
+    assert m.prepare_load([k1], r3).flags == [IN_SLOT]  # retained: a plain DRAM hit
+    m.complete_load([k1], r3)
+    # without the option, the same lookup waits (HIT_PENDING), as before
+    off = PyKVCacheManager(str(tmp_path / "off"), [ns], n_dram=4)
+    p = off.disk[0].path_for(k1)
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    open(p, "w").close()
+    off.prepare_load([k1], r1)
+    assert off.lookup(k1, r2) == LookupResult.HIT_PENDING
+    m.dram.check()
+
+
 def test_manager_slots_hits_and_failures(tmp_path, vllm_available):
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
