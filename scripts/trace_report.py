@@ -23,7 +23,11 @@ first read), large when their reads interleave, which makes every job of a burst
 late together (the fifty-client runs' "barrier": first tokens of several documents at
 one time).
 
-Usage: python scripts/trace_report.py TRACE_DIR [--json OUT] [--loads]
+``--loads --summary``: one block per engine instead of every job: the jobs that read,
+the median and largest ``others``, and the first ten jobs' submit / first read / last
+read / done times (ms), next to the first ten requests' first tokens.
+
+Usage: python scripts/trace_report.py TRACE_DIR [--json OUT] [--loads [--summary]]
 """
 
 from __future__ import annotations
@@ -128,10 +132,14 @@ def load_jobs(reqs: list, events: list) -> list[dict]:
     return out
 
 
-def print_loads(data: dict) -> list[dict]:
+def print_loads(data: dict, summary: bool = False) -> list[dict]:
     rows = []
     for name, (reqs, events) in data.items():
         jobs = load_jobs(reqs, events)
+        if summary:
+            rows += [{"engine": name, **j} for j in jobs]
+            print_summary(name, reqs, jobs)
+            continue
         ttfts = sorted((q[3] - q[2]) * 1e3 for q in reqs)
         print(f"== {name}: {len(jobs)} load jobs, {sum(j['reads'] for j in jobs)} disk "
               f"reads; first tokens (ms, sorted): "
@@ -149,6 +157,28 @@ def print_loads(data: dict) -> list[dict]:
     return rows
 
 
+def print_summary(name: str, reqs: list, jobs: list[dict]) -> None:
+    """``--loads --summary``: one engine's load jobs in a few lines (see module doc)."""
+    readers = [j for j in jobs if j["reads"]]
+    if not jobs:
+        print(f"== {name}: no load jobs")
+        return
+    others = sorted(j["others"] for j in readers) or [0]
+    print(f"== {name}: {len(jobs)} load jobs, {len(readers)} read from disk "
+          f"({sum(j['reads'] for j in readers)} reads), others median "
+          f"{others[len(others) // 2]} max {others[-1]}")
+
+    def f(v):
+        return "-" if v is None else f"{v:.0f}"
+    first = readers[:10]
+    for label, k in (("submit", "submit_ms"), ("1st read", "first_read_ms"),
+                     ("last read", "last_read_ms"), ("done", "done_ms")):
+        print(f"  {label:>9}: " + " ".join(f(j[k]) for j in first))
+    t_base = min((q[2] for q in reqs), default=0.0)
+    toks = [(q[3] - t_base) * 1e3 for q in sorted(reqs, key=lambda q: q[2])[:10]]
+    print("  1st token: " + " ".join(f"{x:.0f}" for x in toks) + "  (first 10 requests)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,13 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the per-request rows here")
     ap.add_argument("--loads", action="store_true",
                     help="per load job: submit, first/last disk read, done, interleaving")
+    ap.add_argument("--summary", action="store_true",
+                    help="with --loads: a few lines per engine instead of every job")
     a = ap.parse_args(argv)
     data = load(a.trace_dir)
     if not data:
         print(f"no *.requests.json under {a.trace_dir}", file=sys.stderr)
         return 2
     if a.loads:
-        rows = print_loads(data)
+        rows = print_loads(data, a.summary)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)

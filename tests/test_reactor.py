@@ -1177,6 +1177,10 @@ def test_trace_records_every_read_and_the_loads_report_shows_the_order(make_layo
     assert jobs["A"]["others"] == jobs["B"]["others"] == 0
     assert jobs["A"]["last_read_ms"] <= jobs["B"]["first_read_ms"]
     assert all(jobs[j]["done_ms"] is not None for j in "ABC")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "trace_report.py"),
+                          str(d), "--loads", "--summary"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "3 load jobs, 2 read from disk (8 reads), others median 0 max 0" in out, out
 
 
 def test_a_load_after_a_promotion_copies_from_its_slot_once_read(make_layout, make_reactor):
