@@ -731,27 +731,20 @@ class Reactor(LoadRouting):
             if len(item) > 3 and item[3] >= 0:
                 t.slot, t.ext, t.flags = item[3], True, item[4]
                 if kind == LOAD and t.flags & IN_SLOT:  # DRAM tier owned by the caller
-                    if t.flags & AFTER_LOAD:
-                        # it copies from a slot that a promotion of its key fills: it
-                        # owns the slot while it copies (so a later task that reuses
-                        # the slot waits for it), and waits while the promotion (or an
-                        # earlier such load) owns it (started by _release_ext)
-                        t.xslot = t.slot
-                        self.stats.loads_joined_promotion += 1
-                        if t.slot in self._ext_owner:
-                            self._ext_wait.setdefault(t.slot, collections.deque()).append(t)
-                            continue
-                        self._ext_owner[t.slot] = t.tid
+                    if not t.flags & AFTER_LOAD:  # a DRAM-tier hit: copy it now
                         t.state = READY
+                        self.stats.loads_dram += 1
                         self._ready.append(t)
                         continue
-                    t.state = READY
-                    self.stats.loads_dram += 1
-                    self._ready.append(t)
-                    continue
+                    # it copies from a slot that a promotion of its key fills: it owns
+                    # the slot like any task, so it waits while the promotion (or an
+                    # earlier such load) owns it, and a later task reusing the slot
+                    # waits for its copy
+                    self.stats.loads_joined_promotion += 1
                 t.xslot = t.slot
                 if t.slot in self._ext_owner:  # still in use by an earlier task: wait
-                    self.stats.ext_slot_waits += 1
+                    if not t.flags & AFTER_LOAD:
+                        self.stats.ext_slot_waits += 1
                     self._ext_wait.setdefault(t.slot, collections.deque()).append(t)
                     continue
                 self._ext_owner[t.slot] = t.tid
@@ -759,6 +752,10 @@ class Reactor(LoadRouting):
 
     def _route(self, t: Task) -> None:
         if t.kind == LOAD:
+            if t.flags & IN_SLOT:  # AFTER_LOAD, owning its slot: the read is done (or
+                t.state = READY    # failed, its header zeroed: _void_for_waiters)
+                self._ready.append(t)
+                return
             self._route_load(t)
         elif t.flags & FLUSH:
             self._start_flush(t)
@@ -1362,11 +1359,8 @@ class Reactor(LoadRouting):
 
     def _finish(self, t: Task, ok: bool) -> None:
         ext_slot = t.xslot if t.xslot >= 0 and self._ext_owner.get(t.xslot) == t.tid else -1
-        if (not ok and ext_slot >= 0 and t.kind == LOAD and not t.flags & IN_SLOT
-                and ext_slot in self._ext_wait):
-            # a promotion that failed (missing, corrupt, I/O error, expired): the loads
-            # waiting to copy from its slot must not take what the read left there
-            self.pool.views[ext_slot][:8] = bytes(8)
+        if not ok:
+            self._void_for_waiters(t, ext_slot)
         self._report(t, ok)
         self._free(t, ext_slot)
 
@@ -1471,10 +1465,17 @@ class Reactor(LoadRouting):
                 t.fd = -1
             self._store_cleanup(t)
         ext_slot = t.xslot if t.xslot >= 0 and self._ext_owner.get(t.xslot) == t.tid else -1
-        if (ext_slot >= 0 and t.kind == LOAD and not t.flags & IN_SLOT
-                and ext_slot in self._ext_wait):  # what the late read left: not a block
-            self.pool.views[ext_slot][:8] = bytes(8)
+        self._void_for_waiters(t, ext_slot)  # what the late read left is not a block
         self._free(t, ext_slot)
+
+    def _void_for_waiters(self, t: Task, ext_slot: int) -> None:
+        """Promotion ``t`` (a disk read into caller-owned ``ext_slot``, which it owns)
+        failed, was cancelled or expired: when loads wait to copy from the slot
+        (``AFTER_LOAD``), zero its header first, so that they fail their header check
+        instead of copying what the read left there."""
+        if (ext_slot >= 0 and t.kind == LOAD and not t.flags & IN_SLOT
+                and ext_slot in self._ext_wait):
+            self.pool.views[ext_slot][:8] = bytes(8)
 
     def _release_ext(self, slot: int) -> None:
         """The owner of caller-owned ``slot`` finished: start the next task waiting for it."""
@@ -1486,10 +1487,6 @@ class Reactor(LoadRouting):
         if not waiting:
             del self._ext_wait[slot]
         self._ext_owner[slot] = nxt.tid
-        if nxt.kind == LOAD and nxt.flags & IN_SLOT:  # AFTER_LOAD: the read it waited for
-            nxt.state = READY                        # is done (or failed: header zeroed)
-            self._ready.append(nxt)
-            return
         self._route(nxt)
 
     def trace_event(self, event: str, req_id: Any = None, n: int = 0) -> None:

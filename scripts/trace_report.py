@@ -93,13 +93,16 @@ def window(events: list, times: list[float], t0: float, t1: float) -> dict[str, 
     return dict(counts)
 
 
-def load_jobs(reqs: list, events: list) -> list[dict]:
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def load_jobs(events: list, t_base: float) -> list[dict]:
     """The load jobs of one engine's trace (see the module doc, ``--loads``), in the
-    order they reached the reactor; times in ms from the first request's submit."""
-    t_base = min((q[2] for q in reqs), default=events[0][0] if events else 0.0)
+    order they reached the reactor; times in ms from ``t_base``."""
     jobs: dict = {}
     order: list = []
-    reads: list = []  # (start time, job) of every disk read, in order
+    reads: list[float] = []  # start time of every disk read, in order (events are sorted)
     for t, ev, rid, n in events:
         if ev == "load":
             key = str(rid)
@@ -117,7 +120,7 @@ def load_jobs(reqs: list, events: list) -> list[dict]:
                 j["reads"] += 1
                 if j["first_read_ms"] is None:
                     j["first_read_ms"] = ms
-                reads.append((ms, j["job"]))
+                reads.append(ms)
             elif ev == "read_done":
                 j["last_read_ms"] = ms
             else:
@@ -126,8 +129,10 @@ def load_jobs(reqs: list, events: list) -> list[dict]:
     for key in order:
         j = jobs[key]
         lo, hi = j["first_read_ms"], j["last_read_ms"]
+        # every read of the job itself starts inside its window: the rest are others'
         j["others"] = (0 if lo is None or hi is None else
-                       sum(1 for ms, k in reads if lo <= ms <= hi and k != key))
+                       bisect.bisect_right(reads, hi) - bisect.bisect_left(reads, lo)
+                       - j["reads"])
         out.append(j)
     return out
 
@@ -135,10 +140,11 @@ def load_jobs(reqs: list, events: list) -> list[dict]:
 def print_loads(data: dict, summary: bool = False) -> list[dict]:
     rows = []
     for name, (reqs, events) in data.items():
-        jobs = load_jobs(reqs, events)
+        t_base = min((q[2] for q in reqs), default=events[0][0] if events else 0.0)
+        jobs = load_jobs(events, t_base)
+        rows += [{"engine": name, **j} for j in jobs]
         if summary:
-            rows += [{"engine": name, **j} for j in jobs]
-            print_summary(name, reqs, jobs)
+            print_summary(name, reqs, jobs, t_base)
             continue
         ttfts = sorted((q[3] - q[2]) * 1e3 for q in reqs)
         print(f"== {name}: {len(jobs)} load jobs, {sum(j['reads'] for j in jobs)} disk "
@@ -146,18 +152,15 @@ def print_loads(data: dict, summary: bool = False) -> list[dict]:
               + " ".join(f"{x:.0f}" for x in ttfts[:12]) + (" ..." if len(ttfts) > 12 else ""))
         print(f"{'job':>18} {'chunks':>6} {'submit':>8} {'1st read':>8} {'last read':>9} "
               f"{'done':>8} {'reads':>5} {'others':>6}")
-
-        def f(v):
-            return "-" if v is None else f"{v:.0f}"
         for j in jobs:
-            rows.append({"engine": name, **j})
-            print(f"{j['job'][:18]:>18} {j['chunks']:>6} {f(j['submit_ms']):>8} "
-                  f"{f(j['first_read_ms']):>8} {f(j['last_read_ms']):>9} {f(j['done_ms']):>8} "
+            print(f"{j['job'][:18]:>18} {j['chunks']:>6} {_ms(j['submit_ms']):>8} "
+                  f"{_ms(j['first_read_ms']):>8} {_ms(j['last_read_ms']):>9} "
+                  f"{_ms(j['done_ms']):>8} "
                   f"{j['reads']:>5} {j['others']:>6}")
     return rows
 
 
-def print_summary(name: str, reqs: list, jobs: list[dict]) -> None:
+def print_summary(name: str, reqs: list, jobs: list[dict], t_base: float) -> None:
     """``--loads --summary``: one engine's load jobs in a few lines (see module doc)."""
     readers = [j for j in jobs if j["reads"]]
     if not jobs:
@@ -167,14 +170,10 @@ def print_summary(name: str, reqs: list, jobs: list[dict]) -> None:
     print(f"== {name}: {len(jobs)} load jobs, {len(readers)} read from disk "
           f"({sum(j['reads'] for j in readers)} reads), others median "
           f"{others[len(others) // 2]} max {others[-1]}")
-
-    def f(v):
-        return "-" if v is None else f"{v:.0f}"
     first = readers[:10]
     for label, k in (("submit", "submit_ms"), ("1st read", "first_read_ms"),
                      ("last read", "last_read_ms"), ("done", "done_ms")):
-        print(f"  {label:>9}: " + " ".join(f(j[k]) for j in first))
-    t_base = min((q[2] for q in reqs), default=0.0)
+        print(f"  {label:>9}: " + " ".join(_ms(j[k]) for j in first))
     toks = [(q[3] - t_base) * 1e3 for q in sorted(reqs, key=lambda q: q[2])[:10]]
     print("  1st token: " + " ".join(f"{x:.0f}" for x in toks) + "  (first 10 requests)")
 

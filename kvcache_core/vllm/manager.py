@@ -512,10 +512,11 @@ class PyKVCacheManager(OffloadingManager):
         #: ``protect_queue``: key -> position of the first waiting request in view that
         #: reads it (empty unless preload_protect is on)
         self._queue_rank: dict[OffloadKey, int] = {}
-        #: ``protect_queue``: the waiting requests in view, in order, and req id -> its
-        #: position there; ``_queue_sets``: a request's chunk keys as a set, built only
-        #: when :meth:`_next_reader` needs it (a promotion for the head of the queue)
-        self._queue_ids: list[str] = []
+        #: ``protect_queue``: the waiting requests in view (the caller's sequence, held
+        #: until the next call), and req id -> its position there; ``_queue_sets``: a
+        #: request's chunk keys as a set, built only when :meth:`_next_reader` needs it
+        #: (a promotion for the head of the queue)
+        self._queue_reqs: Sequence[Any] = ()
         self._queue_pos: dict[str, int] = {}
         self._queue_sets: dict[str, tuple[int, frozenset[OffloadKey]]] = {}
         self._lookup_fast = 0
@@ -742,10 +743,9 @@ class PyKVCacheManager(OffloadingManager):
         rank, pos_of = self._queue_rank, self._queue_pos
         rank.clear()
         pos_of.clear()
+        self._queue_reqs = requests
         if dram is None or not requests:
-            self._queue_ids = []
             return
-        self._queue_ids = [r.request_id for r in requests]
         refresh, index = dram.policy.refresh, dram.index
         cache, keep = self._protect_keys, {}
         n = 0
@@ -780,9 +780,9 @@ class PyKVCacheManager(OffloadingManager):
         ``key`` (1 << 30 when none does). Builds (and keeps while in view) the key set
         of each request it checks: costs nothing on a step without such a promotion.
         Scheduler thread only."""
-        ids, sets, keep = self._queue_ids, self._queue_sets, self._protect_keys
-        for p in range(pos + 1, len(ids)):
-            rid = ids[p]
+        reqs, sets, keep = self._queue_reqs, self._queue_sets, self._protect_keys
+        for p in range(pos + 1, len(reqs)):
+            rid = reqs[p].request_id
             got = keep.get(rid)
             if got is None:
                 continue
