@@ -175,6 +175,8 @@ TRACE_MAX = 1_000_000
 #: the time it waited for the GIL, i.e. some thread held it that long.
 GIL_PROBE_S = 0.001
 GIL_LATE_S = 0.003
+#: values of ``io_async`` (see :class:`Reactor`)
+IO_ASYNC = ("auto", "on", "off")
 #: Longest kernel wait while only store copies are in flight (see ``_run``).
 STORE_POLL_S = 0.001
 #: keys remembered for ``disk_reads_repeat`` (a set cleared when full: ~100 B a key)
@@ -313,7 +315,9 @@ class Reactor(LoadRouting):
                  store_policy: str = "wait", write_depth: int | None = None,
                  io_timeout_s: float = 0.0, store_copy_wait: str = "poll",
                  writeback_defer_s: float = 0.0, spec_depth: int = 1,
-                 write_depth_reading: int | None = None) -> None:
+                 write_depth_reading: int | None = None, io_async: str = "auto") -> None:
+        if io_async not in IO_ASYNC:
+            raise ValueError(f"io_async must be one of {IO_ASYNC}, got {io_async!r}")
         if not 1 <= spec_depth <= 64:
             raise ValueError(f"spec_depth must be in 1..64, got {spec_depth!r}")
         if not 0 <= writeback_defer_s <= 10:
@@ -393,8 +397,17 @@ class Reactor(LoadRouting):
             self.engine = engine
         else:
             entries = 2 * (io_depth + self.lookahead) + 16
+            # io_async (config key): "on" = every read and write is handed to the
+            # kernel's workers (IOSQE_ASYNC), so io_uring_enter returns at once instead of
+            # pinning the buffer's pages and building the block requests in this thread,
+            # which holds the GIL meanwhile (the liburing binding does not release it):
+            # 0.4 ms median, 8.6 ms at worst per 29 MB O_DIRECT read on the CPU machine,
+            # 5 us with it at the same GB/s (docs/results/cpu/io-async-s36.md); "auto" =
+            # only for buffered I/O (without O_DIRECT an inline read may block in the
+            # page cache), "off" = never.
+            force = io_async == "on" or (io_async == "auto" and not self.direct)
             self.engine = make_engine(engine, depth=io_depth, entries=entries,
-                                      force_async=not self.direct)
+                                      force_async=force)
         self.copier = (copier or NullCopier)(self.pool, HEADER_BYTES)
         #: ``store_copy_wait="block"`` with an asynchronous copier: store-copy handles go to
         #: a waiter thread that blocks on each one with the GIL released
@@ -413,9 +426,12 @@ class Reactor(LoadRouting):
         #: that takes the GIL back from vLLM's engine thread), and the seconds spent in
         #: those iterations' work (``step_s``: Python under the GIL, engine waits excluded);
         #: ``copy_waits``: store copies the waiter thread saw done (it alone writes it);
-        #: ``from_device_max_s``: the longest issue of one store job's copy.
+        #: ``from_device_max_s``: the longest issue of one store job's copy;
+        #: ``submit_s`` / ``submit_max_s``: time in the engine's submit (io_uring_enter,
+        #: under the GIL: see ``io_async``), in all and the longest one.
         self.timing = {"to_device_s": 0.0, "from_device_s": 0.0, "from_device_max_s": 0.0,
-                       "iterations": 0, "step_s": 0.0, "copy_waits": 0}
+                       "iterations": 0, "step_s": 0.0, "copy_waits": 0,
+                       "submit_s": 0.0, "submit_max_s": 0.0}
         self.early_store_ack = early_store_ack
         #: Optional event trace (diagnostics): (time.monotonic(), event, request id, n),
         #: appended by the reactor thread, read after :meth:`close`. Bounded.
@@ -700,7 +716,14 @@ class Reactor(LoadRouting):
                 self._next_expire = now + EXPIRE_POLL_S
                 if self._expire(now):
                     worked = True
-        self.engine.submit()
+        if self.engine.pending():
+            t0 = time.perf_counter()
+            self.engine.submit()
+            dt = time.perf_counter() - t0
+            timing = self.timing
+            timing["submit_s"] += dt
+            if dt > timing["submit_max_s"]:
+                timing["submit_max_s"] = dt
         return worked
 
     # ---------------------------------------------------------------- inbox

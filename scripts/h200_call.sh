@@ -21,7 +21,12 @@
 #   its GPU memory: the next engine fails to start);
 # - the step's log goes to $RES/call-STEP$SUFFIX.log (SUFFIX as for h200_runs.sh, so that
 #   two steps in one call, or calls of one lease, keep their own logs); $RES is archived
-#   as $OUT/res.tgz.
+#   as $OUT/res.tgz;
+# - SPY=1: scripts/stack_sampler.py samples the engine processes' stacks (py-spy dump
+#   --native, every SPY_INTERVAL s, default 0.5) into $RES/stacks-STEP$SUFFIX.txt while the
+#   step runs, with time.monotonic() stamps that line up with the reactor trace (TRACE=1):
+#   carry the py-spy binary as .gpu/py-spy (or set PYSPY). Where was the engine's main
+#   thread during a stall (`trace_report.py --stalls`)? grep its stack at those times.
 set -uo pipefail
 T=${1:?seconds}; STEP=${2:?step}; M=${3:?model}
 [ -f /tmp/rt/env.sh ] && source /tmp/rt/env.sh
@@ -46,6 +51,18 @@ LOG="$RES/call-$STEP${SUFFIX:-}.log"
 # its own process group, so that whatever of it is left can be killed as a whole
 setsid bash scripts/h200_runs.sh "$STEP" "$M" > "$LOG" 2>&1 &
 pid=$!
+spy=
+if [ -n "${SPY:-}" ]; then
+  PYSPY=${PYSPY:-.gpu/py-spy}
+  if [ -x "$PYSPY" ]; then
+    python3 scripts/stack_sampler.py --pyspy "$PYSPY" --native \
+      --interval "${SPY_INTERVAL:-0.5}" --out "$RES/stacks-$STEP${SUFFIX:-}.txt" \
+      2>> "$LOG" &
+    spy=$!
+  else
+    echo "h200_call: SPY=1 but no py-spy at $PYSPY: no stacks" | tee -a "$LOG"
+  fi
+fi
 end=$(( SECONDS + T ))
 while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 1; done
 if kill -0 "$pid" 2>/dev/null; then
@@ -56,6 +73,7 @@ if kill -0 "$pid" 2>/dev/null; then
   kill -KILL -- "-$pid" 2>/dev/null
 fi
 wait "$pid"; rc=$?
+if [ -n "$spy" ]; then kill -TERM "$spy" 2>/dev/null; wait "$spy" 2>/dev/null; fi
 bash scripts/h200_stop.sh >> "$LOG" 2>&1
 echo "h200_call: $STEP rc=$rc" | tee -a "$LOG"
 mkdir -p "$OUT"

@@ -64,9 +64,12 @@ KVX=()  # the same keys for the server-based steps (sharegpt, replay)
 for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); KVX+=(--kv-extra "$kv"); done
 if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
 # TRACE=1: keep every engine's reactor event trace and request times under
-# $RES/trace-$STEP$SUFFIX (read them with `scripts/trace_report.py DIR --loads`: per load
+# $RES/trace-$STEP[-$TOKENS]$SUFFIX (read them with `scripts/trace_report.py DIR --loads`: per load
 # job, when its disk reads ran and how much they interleaved with other jobs')
-if [ -n "${TRACE:-}" ]; then mkdir -p "$RES/trace-$STEP${SUFFIX:-}"; B+=(--trace "$RES/trace-$STEP${SUFFIX:-}"); fi
+# (preload50: one directory per TOKENS, so two sizes in one lease do not mix)
+TDIR="$RES/trace-$STEP"; [ "$STEP" = preload50 ] && TDIR="$TDIR-${TOKENS:-40960}"
+TDIR="$TDIR${SUFFIX:-}"
+if [ -n "${TRACE:-}" ]; then mkdir -p "$TDIR"; B+=(--trace "$TDIR"); fi
 # STORE_DRAIN=S: py-kvcache's store phase puts every stored block on disk (writeback_flush
 # in that phase, then up to S seconds per storing request for the write-back to drain),
 # so the load phase starts with the whole workload on disk as native_fs's does (without

@@ -27,7 +27,18 @@ one time).
 the median and largest ``others``, and the first ten jobs' submit / first read / last
 read / done times (ms), next to the first ten requests' first tokens.
 
+``--stalls [--stall-ms MS]``: per engine, every gap of more than MS (default 200) between
+the worker's end of one engine step (``fwd_end``: vLLM's ``get_finished`` call) and the
+start of the next (``fwd_start``), i.e. time the engine's main thread spent outside the
+worker (scheduling, output processing) or blocked; for each: when, how long, the disk
+reads in flight on average inside it, the reads and load jobs that finished inside it,
+and the first tokens within 1 s after it. A load job done inside a stall cannot hand its
+request to vLLM before the stall ends (the thirty-sixth session's "barrier": 3.8 s at
+10k and 10.6 s at 40k with every finished request waiting, disk reads in flight 7.6-7.9
+of 8).
+
 Usage: python scripts/trace_report.py TRACE_DIR [--json OUT] [--loads [--summary]]
+       [--stalls [--stall-ms MS]]
 """
 
 from __future__ import annotations
@@ -178,6 +189,67 @@ def print_summary(name: str, reqs: list, jobs: list[dict], t_base: float) -> Non
     print("  1st token: " + " ".join(f"{x:.0f}" for x in toks) + "  (first 10 requests)")
 
 
+def engine_stalls(reqs: list, events: list, min_ms: float = 200.0) -> dict:
+    """The ``--stalls`` rows of one engine (see the module doc); times in ms from its
+    first non-warm-up request's submit."""
+    subs = [q[2] for q in reqs if q[0] != "warm"] or [q[2] for q in reqs]
+    t_base = min(subs) if subs else (events[0][0] if events else 0.0)
+    ends = [t for t, ev, _, _ in events if ev == "fwd_end"]
+    starts = [t for t, ev, _, _ in events if ev == "fwd_start"]
+    gaps = []
+    for t in ends:
+        if t < t_base:
+            continue
+        i = bisect.bisect_right(starts, t)
+        nxt = starts[i] if i < len(starts) else None
+        if nxt is not None and (nxt - t) * 1e3 > min_ms:
+            gaps.append((t, nxt))
+    rd = sorted((t, 1 if ev == "read_start" else -1) for t, ev, _, _ in events
+                if ev in ("read_start", "read_done"))
+    done_loads = [t for t, ev, _, _ in events if ev == "done_load"]
+    toks = sorted(q[3] for q in reqs if q[0] != "warm")
+    rows = []
+    for a, b in gaps:
+        cur, prev, area = 0, None, 0.0
+        for t, d in rd:
+            if prev is not None and t > a:
+                area += cur * (min(t, b) - max(prev, a))
+            if t >= b:
+                break
+            cur += d
+            prev = t
+        if prev is not None and prev < b:
+            area += cur * (b - max(prev, a))
+        n_reads = sum(1 for t, d in rd if d < 0 and a <= t < b)
+        rows.append({"start_ms": (a - t_base) * 1e3, "ms": (b - a) * 1e3,
+                     "reads_in_flight": area / (b - a),
+                     "reads_done": n_reads,
+                     "loads_done": sum(1 for t in done_loads if a <= t < b),
+                     "tokens_after": bisect.bisect_right(toks, b + 1.0)
+                     - bisect.bisect_left(toks, b)})
+    return {"stalls": rows, "stalled_ms": sum(r["ms"] for r in rows),
+            "span_ms": ((max(toks) if toks else t_base) - t_base) * 1e3}
+
+
+def print_stalls(data: dict, min_ms: float) -> list[dict]:
+    out = []
+    for name, (reqs, events) in data.items():
+        if not any(ev == "fwd_end" for _, ev, _, _ in events):
+            continue
+        st = engine_stalls(reqs, events, min_ms)
+        print(f"== {name}: {len(st['stalls'])} engine stalls > {min_ms:.0f} ms, "
+              f"{st['stalled_ms'] / 1e3:.1f} s of {st['span_ms'] / 1e3:.1f} s to the last "
+              f"first token")
+        if st["stalls"]:
+            print(f"{'start ms':>9} {'ms':>7} {'reads in flight':>15} {'reads done':>10} "
+                  f"{'loads done':>10} {'1st tokens <1s after':>20}")
+        for r in st["stalls"]:
+            print(f"{r['start_ms']:>9.0f} {r['ms']:>7.0f} {r['reads_in_flight']:>15.2f} "
+                  f"{r['reads_done']:>10} {r['loads_done']:>10} {r['tokens_after']:>20}")
+        out += [{"engine": name, **r} for r in st["stalls"]]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -187,11 +259,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="per load job: submit, first/last disk read, done, interleaving")
     ap.add_argument("--summary", action="store_true",
                     help="with --loads: a few lines per engine instead of every job")
+    ap.add_argument("--stalls", action="store_true",
+                    help="per engine: gaps between engine steps longer than --stall-ms")
+    ap.add_argument("--stall-ms", type=float, default=200.0)
     a = ap.parse_args(argv)
     data = load(a.trace_dir)
     if not data:
         print(f"no *.requests.json under {a.trace_dir}", file=sys.stderr)
         return 2
+    if a.stalls:
+        rows = print_stalls(data, a.stall_ms)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     if a.loads:
         rows = print_loads(data, a.summary)
         if a.json:

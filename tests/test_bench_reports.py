@@ -956,6 +956,44 @@ def test_h200_call_auto_limit_counts_the_configurations(tmp_path):
         assert "quick" in (tmp_path / "res" / f"call-preload{suffix}.log").read_text()
 
 
+def test_h200_call_spy_samples_engine_stacks_and_stops_with_the_step(tmp_path):
+    """``SPY=1 h200_call.sh``: while the step runs, ``scripts/stack_sampler.py`` dumps
+    the stack of every process whose command line names the engine core (here a stand-in
+    py-spy that prints a fixed stack, and a stand-in engine renamed with ``exec -a``),
+    each dump stamped with ``time.monotonic()``; the sampler ends with the step. Without a
+    py-spy binary the call says so and runs the step anyway."""
+    import shutil
+
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    for f in ("h200_call.sh", "stack_sampler.py"):
+        shutil.copy(os.path.join(REPO, "scripts", f), scripts / f)
+    (scripts / "h200_stop.sh").write_text("#!/bin/bash\n")
+    tag = f"EngineCoreFake{os.getpid()}"
+    (scripts / "h200_runs.sh").write_text(
+        f"#!/bin/bash\n(exec -a {tag} sleep 2)\necho done > \"$RES/result.json\"\n")
+    spy = tmp_path / "fake-py-spy"
+    spy.write_text("#!/bin/bash\necho \"Thread 1 (idle): MainThread\"\n"
+                   "echo \"    faccessat (libc.so.6)\"\n")
+    spy.chmod(0o755)
+    env = dict(os.environ, RES=str(tmp_path / "res"), OUT=str(tmp_path / "out"),
+               SPY="1", PYSPY=str(spy), SPY_INTERVAL="0.2")
+    p = subprocess.run(["bash", "scripts/h200_call.sh", "30", "preload50", "m"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    stacks = (tmp_path / "res" / "stacks-preload50.txt").read_text()
+    heads = [ln.split() for ln in stacks.splitlines() if ln.startswith("=== ")]
+    assert len(heads) >= 3 and "faccessat (libc.so.6)" in stacks, stacks
+    assert all(float(h[1]) > 0 and h[2].isdigit() for h in heads), heads
+    left = subprocess.run(["pgrep", "-f", "stack_sampler.py --pyspy " + str(spy)],
+                          capture_output=True, text=True)
+    assert left.stdout.strip() == "", "the sampler outlived the call"
+    env["PYSPY"] = str(tmp_path / "missing")
+    p = subprocess.run(["bash", "scripts/h200_call.sh", "30", "preload50", "m"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "no py-spy at" in p.stdout, (p.stdout, p.stderr)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
@@ -1074,3 +1112,37 @@ def test_mixed_with_table_and_queue_aware_preload_cpu(tmp_path):
     stats = json.load(open(tmp_path / "root" / "parts" / "kvcache_preload-load.stats"))
     assert stats["preloads_claimed"] > 0 and stats["gate_accepted_staged"] > 0, stats
     assert stats["gate_accepted_disk"] == 0 and stats["chunks_loaded_disk"] > 0, stats
+
+
+def test_trace_report_stalls_finds_the_gap_between_engine_steps(tmp_path):
+    """``scripts/trace_report.py --stalls``: a gap of 500 ms between one engine step's
+    ``fwd_end`` and the next step's ``fwd_start`` is reported with the reads in flight
+    inside it (two reads for 450 of its 500 ms: 1.8 on average), the reads and load jobs
+    that finished inside it, and the first tokens within 1 s after it; steps 10 ms
+    apart and the warm-up request before the first real one are not stalls."""
+    t = 1000.0
+    ev: list = [[t - 5.0, "fwd_start", None, 0], [t - 4.0, "fwd_end", None, 0]]  # warm-up
+    for i in range(10):  # steps every 10 ms
+        ev += [[t + i * 0.01, "fwd_start", None, 0], [t + i * 0.01 + 0.005, "fwd_end", None, 0]]
+    last_end = t + 0.095
+    ev += [[t + 0.05, "read_start", 1, 0], [t + 0.05, "read_start", 1, 1],
+           [last_end + 0.45, "read_done", 1, 0], [last_end + 0.45, "read_done", 1, 1],
+           [last_end + 0.4, "done_load", 1, 2]]
+    for i in range(5):  # steps resume 500 ms after the last end
+        s = last_end + 0.5 + i * 0.01
+        ev += [[s, "fwd_start", None, 0], [s + 0.005, "fwd_end", None, 0]]
+    ev.sort(key=lambda e: e[0])
+    reqs = [["warm", 16, t - 6.0, t - 4.0], ["a", 16, t, last_end + 0.52],
+            ["b", 16, t, last_end + 0.9], ["c", 16, t, last_end + 2.0]]
+    d = tmp_path / "trace"
+    d.mkdir()
+    (d / "x-load.requests.json").write_text(json.dumps(reqs))
+    (d / "x-load.r0.json").write_text(json.dumps(ev))
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "trace_report.py"),
+                          str(d), "--stalls", "--json", str(tmp_path / "st.json")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "1 engine stalls > 200 ms" in out, out
+    (row,) = json.loads((tmp_path / "st.json").read_text())
+    assert row["start_ms"] == pytest.approx(95, abs=1) and row["ms"] == pytest.approx(500, abs=1)
+    assert row["reads_in_flight"] == pytest.approx(1.8, abs=0.01)
+    assert (row["reads_done"], row["loads_done"], row["tokens_after"]) == (2, 1, 2)

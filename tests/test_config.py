@@ -54,6 +54,8 @@ def test_config_unknown_key_is_named():
     ("eviction_policy", "fifo"),
     ("direct_io", True),
     ("direct_io", "yes"),
+    ("io_async", True),
+    ("io_async", "always"),
     ("engine", "spdk"),
     ("durable", "yes"),
     ("durable", 1),

@@ -57,6 +57,11 @@ class IOEngine(ABC):
     def submit(self) -> None:
         """Hand queued operations to the kernel / workers."""
 
+    def pending(self) -> bool:
+        """Whether operations are queued for the next :meth:`submit` (the reactor times
+        only submits that do something). Engines that cannot tell say True."""
+        return True
+
     @abstractmethod
     def reap(self, out: list[tuple[int, int]]) -> int:
         """Append finished ``(tag, result)`` pairs to ``out`` without blocking; return count."""

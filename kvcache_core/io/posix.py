@@ -72,6 +72,9 @@ class PosixEngine(IOEngine):
     def close(self, tag: int, fd: int) -> None:
         self._pending.append((_CLOSE, tag, fd, None, None))
 
+    def pending(self) -> bool:
+        return bool(self._pending)
+
     def submit(self) -> None:
         for op in self._pending:
             self._q.put(op)

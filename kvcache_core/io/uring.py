@@ -87,6 +87,9 @@ class UringEngine(IOEngine):
         L.io_uring_prep_close(sqe, fd)
         L.io_uring_sqe_set_data64(sqe, tag)
 
+    def pending(self) -> bool:
+        return self._queued > 0
+
     def submit(self) -> None:
         if self._queued:
             L.io_uring_submit(self._ring)

@@ -30,6 +30,7 @@ vLLM calls its hooks from that worker's model-runner thread. The two exchange
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.config import VllmConfig
@@ -217,11 +218,21 @@ class OffloadingConnector(_VllmOffloadingConnector):
         assert self._sched is not None
         if self._sched.hold_s and self._sched.still_held(request):
             return None, False
+        t0 = time.perf_counter_ns()
         judged = self._sched.begin_lookup(request)
         found = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not compat.MANAGER_TOUCH:  # vLLM 0.32: the touch 0.26's scheduler does here
             self._sched.touch_request(request)
-        return self._sched.end_lookup(request, num_computed_tokens, found) if judged else found
+        out = self._sched.end_lookup(request, num_computed_tokens, found) if judged else found
+        # diagnostics: how long lookups hold the engine's main thread (file existence
+        # checks wait for the disk and give the GIL away; the thirty-sixth session's stalls)
+        us = (time.perf_counter_ns() - t0) // 1000
+        c = self._sched.manager.counters
+        c["lookup_requests"] += 1
+        c["lookup_us"] += us
+        if us > c["lookup_max_us"]:
+            c["lookup_max_us"] = us
+        return out
 
     def on_preload_candidates(self, requests: list[Request]) -> None:
         """Patched vLLM, once per step: plan preloads for the waiting ``requests``."""

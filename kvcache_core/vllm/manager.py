@@ -105,6 +105,12 @@ log = logging.getLogger("vllm.pykvcache")
 #: Counters kept by the manager (cumulative; ``get_stats`` reports deltas).
 MANAGER_COUNTERS: dict[str, str] = {
     "lookups": "Offload lookups (one per chunk key).",
+    "lookup_requests": "Request lookups (vLLM asks once per waiting request per engine "
+    "step until it is admitted).",
+    "lookup_us": "Microseconds the scheduler thread spent in request lookups (vLLM's and "
+    "the connector's work, file existence checks included).",
+    "lookup_max_us": "The longest single request lookup, in microseconds (a maximum, not "
+    "a sum): seconds here mean the engine's main thread was held in a lookup.",
     "hits_dram": "Lookups served by the DRAM tier.",
     "hits_disk": "Lookups served by the disk tier.",
     "misses": "Lookups that missed (including keys whose store is in flight).",

@@ -119,6 +119,7 @@ class PyKVCacheWorker(OffloadingWorker):
                 self.layout, n_slots=pool.n_staging, external_slots=pool.n_dram,
                 io_depth=storage.io_depth, lookahead=storage.lookahead,
                 engine=storage.engine, direct_io=storage.direct_io,
+                io_async=storage.io_async,
                 copier=functools.partial(KVCopier, geometry=self.kv, layout=self.layout,
                                          n_staging=pool.n_staging),
                 verify=storage.verify_checksum, on_complete=self._on_complete,

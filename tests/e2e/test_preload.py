@@ -259,6 +259,8 @@ def test_one_document_three_times_at_once_is_read_once(model_dir, workdir, refer
         assert o["num_cached_tokens"] == 768, o  # 3 blocks loaded, the rest computed
     assert s["promotions"] == 3 and s["bytes_read"] == 3 * H.FILE_BYTES, s
     assert s["load_failures"] == 0, s
+    # the lookup timer: vLLM asked at least once per request (more while one waited)
+    assert s["lookup_requests"] >= 3 and 0 < s["lookup_max_us"] <= s["lookup_us"], s
     if join:
         assert s["hits_promoting"] > 0 and s["hits_pending"] == 0, s
         assert s["loads_join_promotion"] == 6 and s["loads_dram"] == 0, s
