@@ -37,8 +37,12 @@ request to vLLM before the stall ends (the thirty-sixth session's "barrier": 3.8
 10k and 10.6 s at 40k with every finished request waiting, disk reads in flight 7.6-7.9
 of 8).
 
+With ``--stacks FILE`` (the output of ``scripts/stack_sampler.py``, e.g. ``SPY=1`` of
+``scripts/h200_call.sh``): under each stall, the engine main thread's stacks sampled
+inside it (innermost frames first, counted): where the engine was while it did not step.
+
 Usage: python scripts/trace_report.py TRACE_DIR [--json OUT] [--loads [--summary]]
-       [--stalls [--stall-ms MS]]
+       [--stalls [--stall-ms MS] [--stacks FILE]]
 """
 
 from __future__ import annotations
@@ -231,8 +235,36 @@ def engine_stalls(reqs: list, events: list, min_ms: float = 200.0) -> dict:
             "span_ms": ((max(toks) if toks else t_base) - t_base) * 1e3}
 
 
-def print_stalls(data: dict, min_ms: float) -> list[dict]:
+def read_stacks(path: str, thread: str = "MainThread", depth: int = 8
+                ) -> list[tuple[float, int, tuple[str, ...]]]:
+    """``(time, pid, innermost frames)`` of ``thread`` in every dump of a
+    ``stack_sampler.py`` file (py-spy ``dump`` text: ``Thread N (state): "name"`` lines,
+    frames indented below, innermost first)."""
+    out: list[tuple[float, int, tuple[str, ...]]] = []
+    t, pid, frames, inside = 0.0, 0, [], False
+
+    def flush() -> None:
+        if inside and frames:
+            out.append((t, pid, tuple(frames[:depth])))
+
+    with open(path, errors="replace") as f:
+        for line in f:
+            if line.startswith("=== "):
+                flush()
+                parts = line.split()
+                t, pid, frames, inside = float(parts[1]), int(parts[2]), [], False
+            elif line.startswith("Thread "):
+                flush()
+                frames, inside = [], f'"{thread}"' in line
+            elif inside and line.startswith("    ") and line.strip():
+                frames.append(line.strip())
+    flush()
+    return out
+
+
+def print_stalls(data: dict, min_ms: float, stacks: str | None = None) -> list[dict]:
     out = []
+    dumps = read_stacks(stacks) if stacks else []
     for name, (reqs, events) in data.items():
         if not any(ev == "fwd_end" for _, ev, _, _ in events):
             continue
@@ -243,9 +275,24 @@ def print_stalls(data: dict, min_ms: float) -> list[dict]:
         if st["stalls"]:
             print(f"{'start ms':>9} {'ms':>7} {'reads in flight':>15} {'reads done':>10} "
                   f"{'loads done':>10} {'1st tokens <1s after':>20}")
+        subs = [q[2] for q in reqs if q[0] != "warm"] or [q[2] for q in reqs]
+        t_base = min(subs) if subs else 0.0
         for r in st["stalls"]:
             print(f"{r['start_ms']:>9.0f} {r['ms']:>7.0f} {r['reads_in_flight']:>15.2f} "
                   f"{r['reads_done']:>10} {r['loads_done']:>10} {r['tokens_after']:>20}")
+            if dumps:
+                a = t_base + r["start_ms"] / 1e3
+                b = a + r["ms"] / 1e3
+                seen: dict[tuple[str, ...], int] = defaultdict(int)
+                for t, _pid, fr in dumps:
+                    if a <= t < b:
+                        seen[fr] += 1
+                r["stacks"] = [{"n": n, "frames": list(fr)} for fr, n in
+                               sorted(seen.items(), key=lambda kv: -kv[1])]
+                if not seen:
+                    print("          (no main-thread stack sampled inside)")
+                for fr, n in sorted(seen.items(), key=lambda kv: -kv[1])[:3]:
+                    print(f"          {n} x " + " <- ".join(fr))
         out += [{"engine": name, **r} for r in st["stalls"]]
     return out
 
@@ -262,13 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stalls", action="store_true",
                     help="per engine: gaps between engine steps longer than --stall-ms")
     ap.add_argument("--stall-ms", type=float, default=200.0)
+    ap.add_argument("--stacks", help="with --stalls: stack_sampler.py output to match")
     a = ap.parse_args(argv)
     data = load(a.trace_dir)
     if not data:
         print(f"no *.requests.json under {a.trace_dir}", file=sys.stderr)
         return 2
     if a.stalls:
-        rows = print_stalls(data, a.stall_ms)
+        rows = print_stalls(data, a.stall_ms, a.stacks)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)

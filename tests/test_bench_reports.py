@@ -1138,11 +1138,24 @@ def test_trace_report_stalls_finds_the_gap_between_engine_steps(tmp_path):
     d.mkdir()
     (d / "x-load.requests.json").write_text(json.dumps(reqs))
     (d / "x-load.r0.json").write_text(json.dumps(ev))
+    # stack_sampler.py dumps: two inside the stall (the engine thread in a file lookup),
+    # one after it; the reactor thread's frames are not the main thread's
+    dump = ('=== {t} 7\nProcess 7: VLLM::EngineCore\n\nThread 7 (idle): "MainThread"\n'
+            '    {top} (libc.so.6)\n    lookup (kvcache_core/vllm/manager.py:870)\n\n'
+            'Thread 9 (active): "kvcache-reactor-r0"\n    _step (kvcache_core/reactor.py:700)\n')
+    (tmp_path / "stacks.txt").write_text(
+        dump.format(t=last_end + 0.1, top="faccessat") + dump.format(t=last_end + 0.3,
+                                                                     top="faccessat")
+        + dump.format(t=last_end + 0.7, top="epoll_wait"))
     out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "trace_report.py"),
-                          str(d), "--stalls", "--json", str(tmp_path / "st.json")],
+                          str(d), "--stalls", "--json", str(tmp_path / "st.json"),
+                          "--stacks", str(tmp_path / "stacks.txt")],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "1 engine stalls > 200 ms" in out, out
+    assert "2 x faccessat (libc.so.6) <- lookup" in out and "epoll_wait" not in out, out
     (row,) = json.loads((tmp_path / "st.json").read_text())
     assert row["start_ms"] == pytest.approx(95, abs=1) and row["ms"] == pytest.approx(500, abs=1)
     assert row["reads_in_flight"] == pytest.approx(1.8, abs=0.01)
     assert (row["reads_done"], row["loads_done"], row["tokens_after"]) == (2, 1, 2)
+    assert row["stacks"] == [{"n": 2, "frames": [
+        "faccessat (libc.so.6)", "lookup (kvcache_core/vllm/manager.py:870)"]}]
