@@ -175,6 +175,11 @@ TRACE_MAX = 1_000_000
 #: the time it waited for the GIL, i.e. some thread held it that long.
 GIL_PROBE_S = 0.001
 GIL_LATE_S = 0.003
+#: trace only: sample the engine thread's stack when it has not marked a step for this
+#: long (s) while requests are outstanding, at most every STALL_SAMPLE_EVERY_S
+STALL_SAMPLE_S = 0.25
+STALL_SAMPLE_EVERY_S = 0.1
+STALL_SAMPLE_FRAMES = 10
 #: values of ``io_async`` (see :class:`Reactor`)
 IO_ASYNC = ("auto", "on", "off")
 #: Longest kernel wait while only store copies are in flight (see ``_run``).
@@ -510,6 +515,9 @@ class Reactor(LoadRouting):
         self._thread.start()
         self._gc_cb: Callable[[str, dict], None] | None = None
         self._gc_t0: float | None = None
+        #: the engine thread's last step mark (``trace_event``), for the stall sampler
+        self._step_t = 0.0
+        self._step_thread: int | None = None
         if self.trace is not None:
             threading.Thread(target=self._gil_probe, name=f"{name}-gil-probe",
                              daemon=True).start()
@@ -1514,8 +1522,12 @@ class Reactor(LoadRouting):
 
     def trace_event(self, event: str, req_id: Any = None, n: int = 0) -> None:
         """Add an event of the caller's to the diagnostic trace (any thread; a no-op when
-        tracing is off). The vLLM worker marks its engine steps with it."""
+        tracing is off). The vLLM worker marks its engine steps with it (``fwd_start`` /
+        ``fwd_end``): the thread that does is the one the stall sampler watches."""
         if self.trace is not None:
+            if event in ("fwd_start", "fwd_end"):
+                self._step_t = time.monotonic()
+                self._step_thread = threading.get_ident()
             self._trace(event, req_id, n)
 
     def _gc_trace(self, phase: str, info: dict) -> None:
@@ -1534,12 +1546,35 @@ class Reactor(LoadRouting):
         that resumes late means the GIL was held by another thread (vLLM's engine thread,
         the reactor, a C extension that keeps it) for about that long."""
         mono, sleep = time.monotonic, time.sleep
+        next_sample = 0.0
         while self._running:
             t = mono()
             sleep(GIL_PROBE_S)
-            late = mono() - t - GIL_PROBE_S
+            now = mono()
+            late = now - t - GIL_PROBE_S
             if late > GIL_LATE_S:
                 self._trace("gil_late", None, int(late * 1e6))
+            if (now >= next_sample and self._step_thread is not None and self._outstanding
+                    and now - self._step_t > STALL_SAMPLE_S):
+                next_sample = now + STALL_SAMPLE_EVERY_S
+                self._sample_stalled(now)
+
+    def _sample_stalled(self, now: float) -> None:
+        """Diagnostic trace only (the probe thread): the engine thread has not marked a
+        step for STALL_SAMPLE_S while requests are outstanding: record where it is (its
+        innermost Python frames, ``file:line function`` joined by `` <- ``) as a
+        ``stall_stack`` event, n = milliseconds since its last step mark. A thread blocked
+        in a system call or a wait has released the GIL, so this sees it there; one that
+        holds the GIL in C code delays this sample instead (``gil_late``)."""
+        frame = sys._current_frames().get(self._step_thread)
+        if frame is None:
+            return
+        parts = []
+        while frame is not None and len(parts) < STALL_SAMPLE_FRAMES:
+            co = frame.f_code
+            parts.append(f"{os.path.basename(co.co_filename)}:{frame.f_lineno} {co.co_name}")
+            frame = frame.f_back
+        self._trace("stall_stack", " <- ".join(parts), int((now - self._step_t) * 1e3))
 
     def _trace(self, event: str, req_id: Any, n: int) -> None:
         tr = self.trace

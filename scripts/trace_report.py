@@ -37,6 +37,9 @@ request to vLLM before the stall ends (the thirty-sixth session's "barrier": 3.8
 10k and 10.6 s at 40k with every finished request waiting, disk reads in flight 7.6-7.9
 of 8).
 
+Under each stall also the reactor trace's own samples of the engine thread
+(``stall_stack`` events: its innermost Python frames, taken in-process when it has not
+marked a step for 250 ms while requests are outstanding; no ptrace needed), counted.
 With ``--stacks FILE`` (the output of ``scripts/stack_sampler.py``, e.g. ``SPY=1`` of
 ``scripts/h200_call.sh``): under each stall, the engine main thread's stacks sampled
 inside it (innermost frames first, counted): where the engine was while it did not step.
@@ -211,6 +214,7 @@ def engine_stalls(reqs: list, events: list, min_ms: float = 200.0) -> dict:
     rd = sorted((t, 1 if ev == "read_start" else -1) for t, ev, _, _ in events
                 if ev in ("read_start", "read_done"))
     done_loads = [t for t, ev, _, _ in events if ev == "done_load"]
+    samples = [(t, rid) for t, ev, rid, _ in events if ev == "stall_stack"]
     toks = sorted(q[3] for q in reqs if q[0] != "warm")
     rows = []
     for a, b in gaps:
@@ -225,12 +229,18 @@ def engine_stalls(reqs: list, events: list, min_ms: float = 200.0) -> dict:
         if prev is not None and prev < b:
             area += cur * (b - max(prev, a))
         n_reads = sum(1 for t, d in rd if d < 0 and a <= t < b)
+        seen: dict[str, int] = defaultdict(int)
+        for t, stack in samples:
+            if a <= t < b:
+                seen[str(stack)] += 1
         rows.append({"start_ms": (a - t_base) * 1e3, "ms": (b - a) * 1e3,
                      "reads_in_flight": area / (b - a),
                      "reads_done": n_reads,
                      "loads_done": sum(1 for t in done_loads if a <= t < b),
                      "tokens_after": bisect.bisect_right(toks, b + 1.0)
-                     - bisect.bisect_left(toks, b)})
+                     - bisect.bisect_left(toks, b),
+                     "py_stacks": [{"n": n, "stack": k} for k, n in
+                                   sorted(seen.items(), key=lambda kv: -kv[1])]})
     return {"stalls": rows, "stalled_ms": sum(r["ms"] for r in rows),
             "span_ms": ((max(toks) if toks else t_base) - t_base) * 1e3}
 
@@ -280,6 +290,8 @@ def print_stalls(data: dict, min_ms: float, stacks: str | None = None) -> list[d
         for r in st["stalls"]:
             print(f"{r['start_ms']:>9.0f} {r['ms']:>7.0f} {r['reads_in_flight']:>15.2f} "
                   f"{r['reads_done']:>10} {r['loads_done']:>10} {r['tokens_after']:>20}")
+            for ps in r["py_stacks"][:3]:
+                print(f"          {ps['n']} x (reactor trace) {ps['stack']}")
             if dumps:
                 a = t_base + r["start_ms"] / 1e3
                 b = a + r["ms"] / 1e3

@@ -1127,7 +1127,9 @@ def test_trace_report_stalls_finds_the_gap_between_engine_steps(tmp_path):
     last_end = t + 0.095
     ev += [[t + 0.05, "read_start", 1, 0], [t + 0.05, "read_start", 1, 1],
            [last_end + 0.45, "read_done", 1, 0], [last_end + 0.45, "read_done", 1, 1],
-           [last_end + 0.4, "done_load", 1, 2]]
+           [last_end + 0.4, "done_load", 1, 2],
+           [last_end + 0.3, "stall_stack", "layout.py:909 exists <- manager.py:540 _on_disk",
+            300]]
     for i in range(5):  # steps resume 500 ms after the last end
         s = last_end + 0.5 + i * 0.01
         ev += [[s, "fwd_start", None, 0], [s + 0.005, "fwd_end", None, 0]]
@@ -1153,9 +1155,12 @@ def test_trace_report_stalls_finds_the_gap_between_engine_steps(tmp_path):
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "1 engine stalls > 200 ms" in out, out
     assert "2 x faccessat (libc.so.6) <- lookup" in out and "epoll_wait" not in out, out
+    assert "1 x (reactor trace) layout.py:909 exists <- manager.py:540 _on_disk" in out, out
     (row,) = json.loads((tmp_path / "st.json").read_text())
     assert row["start_ms"] == pytest.approx(95, abs=1) and row["ms"] == pytest.approx(500, abs=1)
     assert row["reads_in_flight"] == pytest.approx(1.8, abs=0.01)
     assert (row["reads_done"], row["loads_done"], row["tokens_after"]) == (2, 1, 2)
+    assert row["py_stacks"] == [{"n": 1, "stack": "layout.py:909 exists <- manager.py:540 "
+                                 "_on_disk"}]
     assert row["stacks"] == [{"n": 2, "frames": [
         "faccessat (libc.so.6)", "lookup (kvcache_core/vllm/manager.py:870)"]}]

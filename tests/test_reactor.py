@@ -1183,6 +1183,42 @@ def test_trace_records_every_read_and_the_loads_report_shows_the_order(make_layo
     assert "3 load jobs, 2 read from disk (8 reads), others median 0 max 0" in out, out
 
 
+def test_trace_samples_the_engine_thread_when_it_stops_marking_steps(make_layout,
+                                                                    make_reactor):
+    """Trace mode: a thread that marks engine steps (``trace_event("fwd_end")``, as the
+    vLLM worker does) and then sits in a call that releases the GIL for 0.6 s while the
+    reactor has requests outstanding gets its stack sampled: ``stall_stack`` events whose
+    frames name the function it sits in, with the time since its last mark; while it
+    keeps marking steps, or with nothing outstanding, nothing is sampled."""
+    lay = make_layout()
+    r = make_reactor(lay, trace=True)
+    r.trace_event("fwd_end")
+
+    def blocked_in_lookup() -> None:
+        time.sleep(0.6)  # releases the GIL, like a file lookup or a wait
+
+    with r._cv:  # white box: one request outstanding for the whole test, without I/O
+        r._outstanding += 1
+    try:
+        for _ in range(20):  # marking steps every 10 ms: no stall
+            r.trace_event("fwd_start")
+            time.sleep(0.01)
+        assert not [e for e in r.trace if e[1] == "stall_stack"]
+        r.trace_event("fwd_end")
+        blocked_in_lookup()
+    finally:
+        with r._cv:
+            r._outstanding -= 1
+    samples = [e for e in r.trace if e[1] == "stall_stack"]
+    assert samples, [e[1] for e in r.trace][-20:]
+    assert all("blocked_in_lookup" in e[2] for e in samples), samples
+    assert all(e[3] >= 250 for e in samples) and len(samples) <= 5, samples
+    n = len(r.trace)
+    r.trace_event("fwd_end")
+    time.sleep(0.4)  # nothing outstanding now: no samples
+    assert not [e for e in r.trace[n:] if e[1] == "stall_stack"]
+
+
 @pytest.mark.parametrize("io_async", ["on", "off", "auto"])
 def test_io_async_hands_reads_to_kernel_workers_and_times_every_submit(make_layout,
                                                                        make_reactor,
