@@ -53,6 +53,7 @@ import gc
 import logging
 import os
 import queue
+import resource
 import sys
 import threading
 import time
@@ -129,6 +130,11 @@ _si_holds = 0
 _si_saved = 0.0
 
 
+def _major_faults() -> int:
+    """This process's major page faults so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
 def _si_hold(low: float) -> None:
     """Lower the interpreter switch interval to ``low`` (if larger) for one more holder.
     Any thread; taken when a reactor goes from idle to busy, not per request or block."""
@@ -180,6 +186,10 @@ GIL_LATE_S = 0.003
 STALL_SAMPLE_S = 0.25
 STALL_SAMPLE_EVERY_S = 0.1
 STALL_SAMPLE_FRAMES = 10
+#: trace only: how often the probe records this process's new major page faults
+#: (``majflt`` events: code or data paged in from disk, e.g. a library's pages after
+#: ``drop_caches``, each read queued behind the cache's own reads)
+FAULT_SAMPLE_S = 0.1
 #: values of ``io_async`` (see :class:`Reactor`)
 IO_ASYNC = ("auto", "on", "off")
 #: Longest kernel wait while only store copies are in flight (see ``_run``).
@@ -1544,9 +1554,13 @@ class Reactor(LoadRouting):
     def _gil_probe(self) -> None:
         """Diagnostic trace only (its own thread, while the reactor runs): a 1 ms sleep
         that resumes late means the GIL was held by another thread (vLLM's engine thread,
-        the reactor, a C extension that keeps it) for about that long."""
+        the reactor, a C extension that keeps it) for about that long. Every
+        FAULT_SAMPLE_S it also records the process's new major page faults (``majflt``),
+        and it samples the engine thread's stack when that stopped marking steps
+        (:meth:`_sample_stalled`)."""
         mono, sleep = time.monotonic, time.sleep
-        next_sample = 0.0
+        next_sample = next_faults = 0.0
+        faults = _major_faults()
         while self._running:
             t = mono()
             sleep(GIL_PROBE_S)
@@ -1554,6 +1568,12 @@ class Reactor(LoadRouting):
             late = now - t - GIL_PROBE_S
             if late > GIL_LATE_S:
                 self._trace("gil_late", None, int(late * 1e6))
+            if now >= next_faults:  # this process's major page faults (file reads)
+                next_faults = now + FAULT_SAMPLE_S
+                f = _major_faults()
+                if f > faults:
+                    self._trace("majflt", None, f - faults)
+                faults = f
             if (now >= next_sample and self._step_thread is not None and self._outstanding
                     and now - self._step_t > STALL_SAMPLE_S):
                 next_sample = now + STALL_SAMPLE_EVERY_S

@@ -32,10 +32,11 @@ the worker's end of one engine step (``fwd_end``: vLLM's ``get_finished`` call) 
 start of the next (``fwd_start``), i.e. time the engine's main thread spent outside the
 worker (scheduling, output processing) or blocked; for each: when, how long, the disk
 reads in flight on average inside it, the reads and load jobs that finished inside it,
-and the first tokens within 1 s after it. A load job done inside a stall cannot hand its
-request to vLLM before the stall ends (the thirty-sixth session's "barrier": 3.8 s at
-10k and 10.6 s at 40k with every finished request waiting, disk reads in flight 7.6-7.9
-of 8).
+the first tokens within 1 s after it, and the engine process's major page faults inside
+it (``majflt`` events: pages of code or data read from disk). A load job done inside a
+stall cannot hand its request to vLLM before the stall ends (the thirty-sixth session's
+"barrier": 3.8 s at 10k and 10.6 s at 40k with every finished request waiting, disk
+reads in flight 7.6-7.9 of 8).
 
 Under each stall also the reactor trace's own samples of the engine thread
 (``stall_stack`` events: its innermost Python frames, taken in-process when it has not
@@ -215,6 +216,7 @@ def engine_stalls(reqs: list, events: list, min_ms: float = 200.0) -> dict:
                 if ev in ("read_start", "read_done"))
     done_loads = [t for t, ev, _, _ in events if ev == "done_load"]
     samples = [(t, rid) for t, ev, rid, _ in events if ev == "stall_stack"]
+    faults = [(t, n) for t, ev, _, n in events if ev == "majflt"]
     toks = sorted(q[3] for q in reqs if q[0] != "warm")
     rows = []
     for a, b in gaps:
@@ -239,6 +241,7 @@ def engine_stalls(reqs: list, events: list, min_ms: float = 200.0) -> dict:
                      "loads_done": sum(1 for t in done_loads if a <= t < b),
                      "tokens_after": bisect.bisect_right(toks, b + 1.0)
                      - bisect.bisect_left(toks, b),
+                     "major_faults": sum(n for t, n in faults if a <= t < b + 0.1),
                      "py_stacks": [{"n": n, "stack": k} for k, n in
                                    sorted(seen.items(), key=lambda kv: -kv[1])]})
     return {"stalls": rows, "stalled_ms": sum(r["ms"] for r in rows),
@@ -284,12 +287,13 @@ def print_stalls(data: dict, min_ms: float, stacks: str | None = None) -> list[d
               f"first token")
         if st["stalls"]:
             print(f"{'start ms':>9} {'ms':>7} {'reads in flight':>15} {'reads done':>10} "
-                  f"{'loads done':>10} {'1st tokens <1s after':>20}")
+                  f"{'loads done':>10} {'1st tokens <1s after':>20} {'page faults':>11}")
         subs = [q[2] for q in reqs if q[0] != "warm"] or [q[2] for q in reqs]
         t_base = min(subs) if subs else 0.0
         for r in st["stalls"]:
             print(f"{r['start_ms']:>9.0f} {r['ms']:>7.0f} {r['reads_in_flight']:>15.2f} "
-                  f"{r['reads_done']:>10} {r['loads_done']:>10} {r['tokens_after']:>20}")
+                  f"{r['reads_done']:>10} {r['loads_done']:>10} {r['tokens_after']:>20} "
+                  f"{r['major_faults']:>11}")
             for ps in r["py_stacks"][:3]:
                 print(f"          {ps['n']} x (reactor trace) {ps['stack']}")
             if dumps:

@@ -1129,7 +1129,8 @@ def test_trace_report_stalls_finds_the_gap_between_engine_steps(tmp_path):
            [last_end + 0.45, "read_done", 1, 0], [last_end + 0.45, "read_done", 1, 1],
            [last_end + 0.4, "done_load", 1, 2],
            [last_end + 0.3, "stall_stack", "layout.py:909 exists <- manager.py:540 _on_disk",
-            300]]
+            300], [last_end + 0.2, "majflt", None, 40], [last_end + 0.45, "majflt", None, 2],
+           [last_end + 1.5, "majflt", None, 7]]
     for i in range(5):  # steps resume 500 ms after the last end
         s = last_end + 0.5 + i * 0.01
         ev += [[s, "fwd_start", None, 0], [s + 0.005, "fwd_end", None, 0]]
@@ -1160,6 +1161,7 @@ def test_trace_report_stalls_finds_the_gap_between_engine_steps(tmp_path):
     assert row["start_ms"] == pytest.approx(95, abs=1) and row["ms"] == pytest.approx(500, abs=1)
     assert row["reads_in_flight"] == pytest.approx(1.8, abs=0.01)
     assert (row["reads_done"], row["loads_done"], row["tokens_after"]) == (2, 1, 2)
+    assert row["major_faults"] == 42  # the fault 1 s after the stall is not its
     assert row["py_stacks"] == [{"n": 1, "stack": "layout.py:909 exists <- manager.py:540 "
                                  "_on_disk"}]
     assert row["stacks"] == [{"n": 2, "frames": [

@@ -1219,6 +1219,37 @@ def test_trace_samples_the_engine_thread_when_it_stops_marking_steps(make_layout
     assert not [e for e in r.trace[n:] if e[1] == "stall_stack"]
 
 
+def test_trace_records_major_page_faults(make_layout, make_reactor, tmp_path):
+    """Trace mode: pages of a file that this process maps and touches after the page
+    cache dropped them are major faults, and the probe records them (``majflt`` events,
+    n = new faults since its last look) within FAULT_SAMPLE_S."""
+    import mmap
+
+    from kvcache_core.reactor import FAULT_SAMPLE_S
+
+    path = tmp_path / "cold.bin"
+    size = 8 << 20
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped
+        r = make_reactor(make_layout(), trace=True)
+        time.sleep(3 * FAULT_SAMPLE_S)
+        n0 = sum(e[3] for e in r.trace if e[1] == "majflt")
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+            touched = sum(m[i] for i in range(0, size, 4096))
+        time.sleep(3 * FAULT_SAMPLE_S)
+    finally:
+        os.close(fd)
+    got = sum(e[3] for e in r.trace if e[1] == "majflt") - n0
+    if got == 0 and not os.environ.get("KV_REQUIRE_MAJFLT"):
+        pytest.skip("this filesystem kept the pages (no major fault to see)")
+    assert got >= 1 and touched >= 0
+
+
 @pytest.mark.parametrize("io_async", ["on", "off", "auto"])
 def test_io_async_hands_reads_to_kernel_workers_and_times_every_submit(make_layout,
                                                                        make_reactor,
