@@ -34,10 +34,15 @@ something changes, admitting while the GPU has room:
 The ``pyk-*`` policies model py-kvcache as it is instead of that ideal tier: a chunk
 enters the tier only if it got a slot when its request was admitted (``prepare_load``:
 a free slot, or one whose chunk no admitted request needs; else it is read through
-staging and not kept), and HIT_PENDING holds only chunks being read INTO the tier:
+staging and not kept), HIT_PENDING holds only chunks being read INTO the tier, and
+the tier's blocks of the first ``--protect`` waiting requests are not evicted
+(``preload_protect``):
 
 * ``pyk-pending``: the defaults (a request with a chunk being promoted is skipped);
 * ``pyk-join``: ``join_promotions``;
+* ``pyk-noslot``: ``pyk-pending`` with ``disk_load_hold_s`` and ``disk_load_hold_when=
+  "no_slot"`` (no time limit): a request that needs new disk reads waits, while another
+  disk read is queued, until the tier has room for all of them;
 * ``pyk-serial-K``: ``pyk-pending``, and a request that needs new disk reads is admitted
   only while fewer than K documents are being read from disk (the others wait in the
   queue, so the document being read keeps the tier's slots and its later readers find
@@ -75,8 +80,10 @@ class Req:
 def simulate(order: list[int], policy: str, *, chunks: int = 160,
              chunk_bytes: float = 4.697e9 / 160, disk_bps: float = 1.49e9,
              gpu_requests: int = 12, dram_chunks: int = 207,
-             concurrency: int = 50) -> dict:
-    """Run one policy over ``order`` (document of each request); see the module doc."""
+             concurrency: int = 50, protect: int = 4) -> dict:
+    """Run one policy over ``order`` (document of each request); see the module doc.
+    ``protect``: the ``pyk-*`` policies keep the tier's blocks of the first ``protect``
+    waiting requests (``preload_protect`` with ``preload_lookahead``, default 4)."""
     read_s = chunk_bytes / disk_bps
     reqs = [Req(i, d) for i, d in enumerate(order)]
     waiting: list[Req] = []
@@ -116,6 +123,17 @@ def simulate(order: list[int], policy: str, *, chunks: int = 160,
                     promoting.add(c)  # a tier slot now, the chunk kept when read
                     reserved += 1
 
+    def room_for(r: Req) -> bool:
+        """Whether the tier could take every chunk ``r`` must read anew (free slots plus
+        those whose chunk no admitted request needs), as ``dram_short`` judges."""
+        new = sum(1 for i in range(chunks) if (r.doc, i) not in tier
+                  and (r.doc, i) not in queued)
+        if not new:
+            return True
+        needed = {(x.doc, i) for x in running for i in range(chunks)}
+        free = dram_chunks - len(tier) - reserved + sum(1 for v in tier if v not in needed)
+        return new <= free
+
     def cheap(r: Req) -> bool:
         return all((r.doc, i) in tier or (r.doc, i) in queued for i in range(chunks))
 
@@ -129,6 +147,8 @@ def simulate(order: list[int], policy: str, *, chunks: int = 160,
                 if (k_docs and not cheap(r) and r.doc not in docs_reading()
                         and len(docs_reading()) >= k_docs):
                     continue  # pyk-serial-K: the disk reads K documents at most
+                if policy == "pyk-noslot" and queued and not room_for(r):
+                    continue  # disk_load_hold_when="no_slot": wait for the tier's room
                 admit(r)
             return
         if policy == "fcfs-pending":
@@ -164,6 +184,8 @@ def simulate(order: list[int], policy: str, *, chunks: int = 160,
     def evict_for(c) -> bool:
         needed = {x for r in running for x in r.missing} | {
             (r.doc, i) for r in running for i in range(chunks)}
+        if realistic and protect:  # preload_protect: the first waiting requests' blocks
+            needed |= {(r.doc, i) for r in waiting[:protect] for i in range(chunks)}
         for v in tier:
             if v not in needed:
                 del tier[v]
@@ -216,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dram-chunks", type=int, default=207)
     ap.add_argument("--disk-gbps", type=float, default=1.49)
     ap.add_argument("--concurrency", type=int, default=50)
+    ap.add_argument("--protect", type=int, default=4,
+                    help="pyk-*: waiting requests whose tier blocks are kept (preload_protect)")
     ap.add_argument("--policies", default="fcfs-pending,fcfs-join,affinity-1,pyk-pending,"
                     "pyk-join,pyk-serial-1,pyk-serial-2")
     ap.add_argument("--random-orders", type=int, default=0,
@@ -242,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for p in a.policies.split(","):
         runs = [simulate(o, p, disk_bps=a.disk_gbps * 1e9, gpu_requests=a.gpu_requests,
-                         dram_chunks=a.dram_chunks, concurrency=a.concurrency)
+                         dram_chunks=a.dram_chunks, concurrency=a.concurrency,
+                         protect=a.protect)
                 for o in orders]
         r = {k: (statistics.median(x[k] for x in runs) if k != "policy" else p)
              for k in runs[0]}
