@@ -412,14 +412,9 @@ class Reactor(LoadRouting):
             self.engine = engine
         else:
             entries = 2 * (io_depth + self.lookahead) + 16
-            # io_async (config key): "on" = every read and write is handed to the
-            # kernel's workers (IOSQE_ASYNC), so io_uring_enter returns at once instead of
-            # pinning the buffer's pages and building the block requests in this thread,
-            # which holds the GIL meanwhile (the liburing binding does not release it):
-            # 0.4 ms median, 8.6 ms at worst per 29 MB O_DIRECT read on the CPU machine,
-            # 5 us with it at the same GB/s (docs/results/cpu/io-async-s36.md); "auto" =
-            # only for buffered I/O (without O_DIRECT an inline read may block in the
-            # page cache), "off" = never.
+            # io_async (config key, KEY_HELP): "on" = IOSQE_ASYNC on every read and write
+            # (io_uring_enter, which holds the GIL, returns without doing the I/O setup);
+            # "auto" = only for buffered I/O; "off" = never.
             force = io_async == "on" or (io_async == "auto" and not self.direct)
             self.engine = make_engine(engine, depth=io_depth, entries=entries,
                                       force_async=force)

@@ -95,7 +95,7 @@ def simulate(order: list[int], policy: str, *, chunks: int = 160,
     disk_q: collections.deque = collections.deque()  # chunks queued, FCFS
     queued: set = set()
     waiters: dict = collections.defaultdict(list)  # chunk -> requests waiting for it
-    now, bytes_read, in_service = 0.0, 0.0, None
+    now, bytes_read = 0.0, 0.0
     k_docs = int(policy.rsplit("-", 1)[1]) if policy[-1].isdigit() else 0
     realistic = policy.startswith("pyk-")
     promoting: set = set()  # chunks being read into a reserved tier slot (realistic)
@@ -171,7 +171,7 @@ def simulate(order: list[int], policy: str, *, chunks: int = 160,
             for r in list(waiting):
                 if len(running) >= gpu_requests:
                     return
-                if r.admitted is None and len(docs_reading()) < k_docs:
+                if len(docs_reading()) < k_docs:
                     admit(r)
 
     def finish_ready() -> None:
@@ -195,19 +195,16 @@ def simulate(order: list[int], policy: str, *, chunks: int = 160,
     admission()
     finish_ready()
     while running or waiting:
-        if in_service is None:
+        if not disk_q:
+            admission()
+            finish_ready()
             if not disk_q:
-                admission()
-                finish_ready()
-                if not disk_q and not any(r.missing for r in running):
-                    if not running and waiting:  # nothing admissible: should not happen
-                        raise RuntimeError(f"{policy}: stuck with {len(waiting)} waiting")
-                    continue
+                if waiting and not running:  # nothing admissible: should not happen
+                    raise RuntimeError(f"{policy}: stuck with {len(waiting)} waiting")
                 continue
-            in_service = disk_q.popleft()
+        c = disk_q.popleft()
         now += read_s
         bytes_read += chunk_bytes
-        c, in_service = in_service, None
         queued.discard(c)
         if realistic:
             if c in promoting:

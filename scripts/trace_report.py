@@ -244,7 +244,7 @@ def engine_stalls(reqs: list, events: list, min_ms: float = 200.0) -> dict:
                      "major_faults": sum(n for t, n in faults if a <= t < b + 0.1),
                      "py_stacks": [{"n": n, "stack": k} for k, n in
                                    sorted(seen.items(), key=lambda kv: -kv[1])]})
-    return {"stalls": rows, "stalled_ms": sum(r["ms"] for r in rows),
+    return {"stalls": rows, "t_base": t_base, "stalled_ms": sum(r["ms"] for r in rows),
             "span_ms": ((max(toks) if toks else t_base) - t_base) * 1e3}
 
 
@@ -288,8 +288,7 @@ def print_stalls(data: dict, min_ms: float, stacks: str | None = None) -> list[d
         if st["stalls"]:
             print(f"{'start ms':>9} {'ms':>7} {'reads in flight':>15} {'reads done':>10} "
                   f"{'loads done':>10} {'1st tokens <1s after':>20} {'page faults':>11}")
-        subs = [q[2] for q in reqs if q[0] != "warm"] or [q[2] for q in reqs]
-        t_base = min(subs) if subs else 0.0
+        t_base = st["t_base"]
         for r in st["stalls"]:
             print(f"{r['start_ms']:>9.0f} {r['ms']:>7.0f} {r['reads_in_flight']:>15.2f} "
                   f"{r['reads_done']:>10} {r['loads_done']:>10} {r['tokens_after']:>20} "

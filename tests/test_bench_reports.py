@@ -1174,8 +1174,9 @@ def test_sim_admission_ideal_tier_reads_each_document_once_and_the_cap_saves_byt
     once; on the thirty-sixth session's 40k order, py-kvcache's model with two documents
     read at a time reads fewer bytes and gives a lower mean TTFT than its defaults (the
     model's finding that docs/results/cpu/admission-sim-s36.md reports)."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import sim_admission as S
+    from helpers.kvutil import load_script
+
+    S = load_script("sim_admission")
 
     small = [0, 1, 0, 2, 1, 0, 2, 2, 1]
     for p in ("fcfs-pending", "fcfs-join", "affinity-1", "pyk-pending", "pyk-join",

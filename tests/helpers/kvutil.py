@@ -36,6 +36,7 @@ def load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts",
                                                                      f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # registered first, as an import does (dataclasses need it)
     spec.loader.exec_module(mod)
     return mod
 
