@@ -257,6 +257,8 @@ class SchedulerSide:
         self.hold_s: float = opts.disk_load_hold_s
         #: ``disk_load_hold_when`` "no_slot": hold only while the DRAM tier has no room
         self._hold_no_slot: bool = opts.disk_load_hold_when == "no_slot"
+        #: ``disk_load_hold_requests``: requests reading from disk that make one wait
+        self._hold_k: int = opts.disk_load_hold_requests
         self._holds: dict[str, tuple[float, int]] = {}
         self._num_workers: int = int(cs.config.num_workers)
         if self.dram_load_sync:
@@ -404,14 +406,14 @@ class SchedulerSide:
               result: tuple[int | None, bool]) -> bool:
         """``disk_load_hold_s``: whether request ``rid``, whose lookup gave ``found`` and
         the gate ``result``, waits this step. It waits when the gate let it load its
-        whole prefix, part of which must come from disk, while another request's disk
-        load is in flight (the manager's ``disk_loads_in_flight``; a waiting request has
-        none of its own) and, with ``disk_load_hold_when="no_slot"``, the DRAM tier
-        cannot take its disk chunks now (:meth:`PyKVCacheManager.dram_short`), until
-        ``hold_s`` after its first wait; from then on it loads.
-        Scheduler thread."""
+        whole prefix, part of which must come from disk, while ``disk_load_hold_requests``
+        other requests' disk loads are in flight (the manager's ``disk_load_requests``;
+        a waiting request has none of its own) and, with
+        ``disk_load_hold_when="no_slot"``, the DRAM tier cannot take its disk chunks now
+        (:meth:`PyKVCacheManager.dram_short`), until ``hold_s`` after its first wait;
+        from then on it loads. Scheduler thread."""
         n, m = result[0], self.manager
-        if (not n or n != found[0] or not m.disk_loads_in_flight
+        if (not n or n != found[0] or m.disk_load_requests < self._hold_k
                 or m.lookup_tier() != "disk"):
             return False
         if self._hold_no_slot and not m.dram_short(m.lookup_disk_chunks()):
@@ -433,15 +435,16 @@ class SchedulerSide:
 
     def still_held(self, request: Request) -> bool:
         """Before vLLM's lookup of ``request`` (``disk_load_hold_s`` on): True when it
-        was held and nothing it waits for changed since (a disk load still in flight, no
-        disk load ended and no block was staged since: the manager's ``load_epoch``;
-        its wait not yet over), so the connector answers "not yet" without a lookup: a
-        held request costs no per-chunk work per step. Scheduler thread."""
+        was held and nothing it waits for changed since (still
+        ``disk_load_hold_requests`` requests reading from disk, no disk load ended and
+        no block was staged since: the manager's ``load_epoch``; its wait not yet over),
+        so the connector answers "not yet" without a lookup: a held request costs no
+        per-chunk work per step. Scheduler thread."""
         held = self._holds.get(request.request_id)
         if held is None or held[0] < 0:
             return False
         m = self.manager
-        return (m.disk_loads_in_flight > 0 and held[1] == m.load_epoch
+        return (m.disk_load_requests >= self._hold_k and held[1] == m.load_epoch
                 and time.monotonic() < held[0])
 
     def gate_lookup(self, request: Request, num_computed_tokens: int,

@@ -431,6 +431,9 @@ class PyKVCacheManager(OffloadingManager):
         #: records in _loading / _held that read from disk ("disk" or "promote"): the
         #: connector's ``disk_load_hold_s`` holds disk-loading requests while it is > 0
         self.disk_loads_in_flight = 0
+        #: req id -> its records in ``disk_loads_in_flight``: ``len()`` is the number of
+        #: requests reading from disk (``disk_load_hold_requests``). Scheduler thread.
+        self._disk_reqs: collections.Counter[str] = collections.Counter()
         #: waiting requests the patched scheduler offered in this step
         #: (``on_preload_candidates``; 0 when it offered none, and always without the
         #: patches or ``preload_lookahead``): set by :meth:`note_waiting` before this
@@ -928,6 +931,7 @@ class PyKVCacheManager(OffloadingManager):
             self.counters["loads_dram" if how == "pin" else "loads_disk"] += 1
             if how != "pin":
                 self.disk_loads_in_flight += 1
+                self._disk_reqs[req_id] += 1
             if how == "promote":
                 self.counters["promotions"] += 1
                 self._promoting[key] += 1
@@ -936,7 +940,7 @@ class PyKVCacheManager(OffloadingManager):
                 self.counters["loads_join_promotion"] += 1
             prev = self._loading.pop((req_id, key), None)
             if prev is not None:  # pragma: no cover - vLLM issues one load per request
-                self._finish_load(key, prev, failed=True)
+                self._finish_load(req_id, key, prev, failed=True)
             self._loading[(req_id, key)] = rec
             self._loading_refs[key] += 1
             slots.append(rec[0])
@@ -976,7 +980,14 @@ class PyKVCacheManager(OffloadingManager):
             if key in index:
                 use(key)
 
-    def _finish_load(self, key: OffloadKey, rec: tuple[int, str], failed: bool) -> None:
+    @property
+    def disk_load_requests(self) -> int:
+        """Requests with at least one chunk being read from disk (promotions and reads
+        through staging). Scheduler thread; O(1)."""
+        return len(self._disk_reqs)
+
+    def _finish_load(self, req_id: str, key: OffloadKey, rec: tuple[int, str],
+                     failed: bool) -> None:
         slot, how = rec
         if how == "pin":
             assert self.dram is not None
@@ -986,6 +997,10 @@ class PyKVCacheManager(OffloadingManager):
         else:  # read from disk
             self.disk_loads_in_flight -= 1
             self.load_epoch += 1
+            reqs = self._disk_reqs
+            reqs[req_id] -= 1
+            if reqs[req_id] <= 0:
+                del reqs[req_id]
         if how == "promote":
             assert self.dram is not None
             self._promoting[key] -= 1
@@ -1034,16 +1049,16 @@ class PyKVCacheManager(OffloadingManager):
         """Every worker finished the copy of held load ``token``: unpin its slots (a key
         that failed its check is dropped, as in ``complete_load``). Unknown tokens are
         ignored."""
-        _rid, held = self._held.pop(token, ("", []))
+        rid, held = self._held.pop(token, ("", []))
         for key, rec in held:
-            self._finish_load(key, rec, failed=key in self._failed)
+            self._finish_load(rid, key, rec, failed=key in self._failed)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         req_id = req_context.req_id
         for key in keys:
             rec = self._loading.pop((req_id, key), None)
             if rec is not None:
-                self._finish_load(key, rec, failed=key in self._failed)
+                self._finish_load(req_id, key, rec, failed=key in self._failed)
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput:
@@ -1200,6 +1215,7 @@ class PyKVCacheManager(OffloadingManager):
         self._wb_storing.clear()
         self._loading.clear()
         self.disk_loads_in_flight = 0
+        self._disk_reqs.clear()
         self._held.clear()
         self._loading_refs.clear()
         self._promoting.clear()

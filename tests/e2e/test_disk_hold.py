@@ -23,6 +23,11 @@ def _hold_engine(model_dir: str, root: str, hold: float, tier_files: int = 8, **
                       max_num_seqs=3)
 
 
+#: per disk load of the last :func:`_run_batched`: the requests already reading from
+#: disk when it began (``disk_load_requests``)
+requests_started: list[int] = []
+
+
 def _run_batched(llm, names: list[str], check_tier: bool = False):
     """Send the :data:`PROMPTS` ``names`` at once to ``llm``, wait for its writes, shut
     it down; returns (outputs, manager stats, ``started``: for each load that read from
@@ -30,21 +35,23 @@ def _run_batched(llm, names: list[str], check_tier: bool = False):
     load is left in flight and, with ``check_tier``, the DRAM tier's invariants."""
     try:
         mgr = H.manager(llm)
+        requests_started.clear()
         started: list[int] = []
         orig = mgr.prepare_load
 
         def prepare_load(keys, req_context):
-            before = mgr.disk_loads_in_flight
+            before, reqs = mgr.disk_loads_in_flight, mgr.disk_load_requests
             spec = orig(keys, req_context)
             if mgr.disk_loads_in_flight > before:
                 started.append(before)
+                requests_started.append(reqs)
             return spec
 
         mgr.prepare_load = prepare_load
         outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
         H.drain(llm)
         s = mgr.stats()
-        assert mgr.disk_loads_in_flight == 0
+        assert mgr.disk_loads_in_flight == 0 and mgr.disk_load_requests == 0
         if check_tier:
             mgr.dram.check()
     finally:
@@ -83,6 +90,26 @@ def test_disk_loads_run_one_request_at_a_time(model_dir, workdir, reference, hol
     else:
         assert started[1] > 0, started  # B began beside A's read
         assert s.get("loads_held", 0) == 0, s
+
+
+def test_two_requests_read_at_once_the_third_waits(model_dir, workdir, reference):
+    """``disk_load_hold_requests=2``: A, B and C stored on disk; a fresh engine (three
+    running slots, a DRAM tier that holds all three) gets A, B, C at once. B's read
+    starts beside A's (two requests may read), C waits until fewer than two requests
+    read from disk; each block is read once and the tokens are recompute's."""
+    root = os.path.join(workdir, "root_hold_k2")
+    H.store_prompts(model_dir, root, ["A", "B", "C"])
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=12 * H.FILE_BYTES,
+                                               preload_lookahead=0, disk_load_hold_s=30,
+                                               disk_load_hold_requests=2),
+                     max_num_seqs=3)
+    names = ["A", "B", "C"]
+    outs, s, started = _run_batched(llm, names)
+    _check_batched(names, outs, reference)
+    assert s["chunks_loaded_disk"] == 9 and s["load_failures"] == 0, s
+    assert requests_started[:2] == [0, 1], requests_started  # B began beside A
+    assert len(requests_started) == 3 and requests_started[2] < 2, requests_started
+    assert s["loads_held"] >= 1 and s.get("loads_hold_expired", 0) == 0, s
 
 
 @pytest.mark.parametrize(("when", "tier_files"), [(None, 4), ("no_slot", 4),
@@ -126,11 +153,12 @@ def test_a_wait_ends_at_its_limit(model_dir, workdir, reference):
     try:
         mgr = H.manager(llm)
         mgr.disk_loads_in_flight += 1
+        mgr._disk_reqs["stuck"] += 1
         names = ["A", "B"]
         outs = H.generate_many(llm, [H.PROMPTS[n] for n in names])
         H.drain(llm)
         s = mgr.stats()
-        assert mgr.disk_loads_in_flight == 1
+        assert mgr.disk_loads_in_flight == 1 and mgr.disk_load_requests == 1
         assert not H.scheduler_connector(llm)._sched._holds
     finally:
         H.shutdown(llm)

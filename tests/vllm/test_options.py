@@ -59,6 +59,12 @@ def test_parse_extra_config_errors_name_the_key():
             O.parse_extra_config({**base, "disk_load_hold_s": bad})
     assert O.parse_extra_config(base).disk_load_hold_s == 0.0
     assert O.parse_extra_config({**base, "disk_load_hold_s": 30}).disk_load_hold_s == 30.0
+    for bad in (0, 65, "2", True, 1.5, None):
+        with pytest.raises(ConfigError, match="'disk_load_hold_requests'.*1..64"):
+            O.parse_extra_config({**base, "disk_load_hold_requests": bad})
+    assert O.parse_extra_config(base).disk_load_hold_requests == 1
+    assert O.parse_extra_config({**base, "disk_load_hold_requests": 2}
+                                ).disk_load_hold_requests == 2
     assert O.parse_extra_config({**base, "breakeven_table": "t.json",
                                  "queue_aware_preload": True}).queue_aware_preload
     for bad in (-1, "4k", True, 1.5):
