@@ -111,6 +111,14 @@ MANAGER_COUNTERS: dict[str, str] = {
     "the connector's work, file existence checks included).",
     "lookup_max_us": "The longest single request lookup, in microseconds (a maximum, not "
     "a sum): seconds here mean the engine's main thread was held in a lookup.",
+    "disk_checks": "File existence checks on the scheduler thread (one access() per rank "
+    "per key: lookups, store planning, preload planning, the write-back), not counting "
+    "answers from the positive lookup cache.",
+    "disk_check_us": "Microseconds the scheduler thread spent in those checks.",
+    "disk_check_max_us": "The longest single check, in microseconds (a maximum, not a "
+    "sum): tens of milliseconds mean the filesystem's metadata was read from a busy "
+    "disk (dentries not cached, e.g. after a restart or drop_caches) while the engine's "
+    "main thread waited.",
     "hits_dram": "Lookups served by the DRAM tier.",
     "hits_disk": "Lookups served by the disk tier.",
     "misses": "Lookups that missed (including keys whose store is in flight).",
@@ -540,15 +548,23 @@ class PyKVCacheManager(OffloadingManager):
         filesystems where each lookup is a network round trip). A cached answer may be
         stale (the file evicted by any process since): the load then fails, the block is
         recomputed and its cache entry dropped (:meth:`on_worker_report`)."""
-        pos = self._pos
+        pos, c = self._pos, self.counters
+        if pos is not None:
+            until = pos.get(key)
+            if until is not None and until > time.monotonic():
+                c["lookups_cached"] += 1
+                return True
+        t0 = time.perf_counter_ns()
+        found = all(d.exists(key) for d in self.disk)
+        us = (time.perf_counter_ns() - t0) // 1000
+        c["disk_checks"] += 1
+        c["disk_check_us"] += us
+        if us > c["disk_check_max_us"]:
+            c["disk_check_max_us"] = us
         if pos is None:
-            return all(d.exists(key) for d in self.disk)
-        now = time.monotonic()
-        until = pos.get(key)
-        if until is not None and until > now:
-            self.counters["lookups_cached"] += 1
-            return True
-        if all(d.exists(key) for d in self.disk):
+            return found
+        if found:
+            now = time.monotonic()
             pos[key] = now + self._pos_ttl
             pos.move_to_end(key)
             if len(pos) > LOOKUP_CACHE_MAX:
