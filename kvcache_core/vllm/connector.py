@@ -214,20 +214,29 @@ class OffloadingConnector(_VllmOffloadingConnector):
                                    ) -> tuple[int | None, bool]:
         """vLLM's lookup between the two halves of the scheduler side's judgement: the
         break-even gate (R9), ``disk_load_hold_s`` (``(None, False)``: ask again next
-        step) and ``dram_load_sync``."""
-        assert self._sched is not None
-        if self._sched.hold_s and self._sched.still_held(request):
+        step) and ``dram_load_sync``. A request held, or deferred on a promotion with
+        nothing changed since (:meth:`SchedulerSide.still_deferred`), is answered "not
+        yet" without a lookup."""
+        sched = self._sched
+        assert sched is not None
+        c = sched.manager.counters
+        if sched.hold_s and sched.still_held(request):
+            return None, False
+        if sched.still_deferred(request, num_computed_tokens):
+            c["lookups_skipped"] += 1  # still waiting on the same promotion: no rescan
             return None, False
         t0 = time.perf_counter_ns()
-        judged = self._sched.begin_lookup(request)
+        pending0 = c["hits_pending"]
+        judged = sched.begin_lookup(request)
         found = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not compat.MANAGER_TOUCH:  # vLLM 0.32: the touch 0.26's scheduler does here
-            self._sched.touch_request(request)
-        out = self._sched.end_lookup(request, num_computed_tokens, found) if judged else found
+            sched.touch_request(request)
+        out = sched.end_lookup(request, num_computed_tokens, found) if judged else found
+        sched.note_lookup(request, num_computed_tokens,
+                          found[0] is None and c["hits_pending"] > pending0)
         # diagnostics: how long lookups hold the engine's main thread (file existence
         # checks wait for the disk and give the GIL away; the thirty-sixth session's stalls)
         us = (time.perf_counter_ns() - t0) // 1000
-        c = self._sched.manager.counters
         c["lookup_requests"] += 1
         c["lookup_us"] += us
         if us > c["lookup_max_us"]:

@@ -269,3 +269,36 @@ def test_one_document_three_times_at_once_is_read_once(model_dir, workdir, refer
     else:
         assert s["hits_pending"] > 0 and s["loads_join_promotion"] == 0, s
         assert s["loads_dram"] == 6, s
+        # the two waiting requests are not rescanned while the promotion is in flight
+        # (no disk load ended): on this machine ~90 "not yet" answers without a scan,
+        # against 5 scans (3 first lookups, 2 after the read)
+        assert s["lookups_skipped"] > 0 and s["lookup_requests"] < 10, s
+
+
+def test_a_deferred_lookup_is_repeated_once_a_disk_load_ends(model_dir, workdir):
+    """The connector's memo of lookups deferred on a promotion (``still_deferred``): a
+    request whose lookup was deferred (HIT_PENDING) is answered "not yet" without a scan
+    until a disk load ends (the manager's ``load_epoch``), its ``num_computed_tokens``
+    changes, or it finishes; a lookup that was not deferred on a promotion is never
+    memoized."""
+    from types import SimpleNamespace
+
+    llm = H.make_llm(model_dir, H.extra_config(os.path.join(workdir, "root_memo")))
+    try:
+        sched = H.scheduler_connector(llm)._sched
+        req = SimpleNamespace(request_id="r1")
+        assert not sched.still_deferred(req, 0)
+        sched.note_lookup(req, 0, pending=True)
+        assert sched.still_deferred(req, 0)
+        assert not sched.still_deferred(req, 256)  # other computed tokens: scan again
+        sched.manager.load_epoch += 1  # a disk load ended
+        assert not sched.still_deferred(req, 0)
+        sched.note_lookup(req, 0, pending=True)
+        assert sched.still_deferred(req, 0)
+        sched.note_lookup(req, 0, pending=False)  # e.g. deferred by vLLM's own jobs
+        assert not sched.still_deferred(req, 0)
+        sched.note_lookup(req, 0, pending=True)
+        sched.forget(req)
+        assert not sched.still_deferred(req, 0) and not sched._deferred
+    finally:
+        H.shutdown(llm)
