@@ -123,6 +123,8 @@ MANAGER_COUNTERS: dict[str, str] = {
     "last lookup waited on a block being read into the DRAM tier (HIT_PENDING) and no "
     "disk load has ended since (thirty-seventh session: the repeated scans of waiting "
     "requests held the engine's main thread 10-18 s of a 31-55 s run).",
+    "lookups_retry": "disk_lookup_async: lookups answered RETRY while their block's files "
+    "were checked on the background thread (vLLM asks again next step).",
     "hits_dram": "Lookups served by the DRAM tier.",
     "hits_disk": "Lookups served by the disk tier.",
     "misses": "Lookups that missed (including keys whose store is in flight).",
@@ -340,6 +342,81 @@ DISK_ADMISSIONS = ("all", "reuse")
 #: shortest gap between two writes of ``$KVCACHE_STATS_FILE`` (benchmarks, ``make run``)
 STATS_EXPORT_GAP_S = 0.1
 
+#: ``disk_lookup_async``: values, and (``auto``) a file check at least this slow puts the
+#: lookups in background mode for :data:`ASYNC_LOOKUP_HOLD_S` (on a local disk a check
+#: takes microseconds; the thirty-seventh session's checks behind a full disk queue after
+#: ``drop_caches`` took up to 239 ms, one request's lookup up to 1.9 s)
+DISK_LOOKUP_ASYNC = ("auto", "on", "off")
+SLOW_CHECK_US = 20_000
+ASYNC_LOOKUP_HOLD_S = 5.0
+#: seconds a background check's answer is used by lookups (then asked again)
+CHECKED_TTL_S = 1.0
+CHECKED_MAX = 1 << 16
+
+
+class _DiskChecker:
+    """``disk_lookup_async``: file existence checks on a daemon thread, so that a lookup
+    never waits for filesystem metadata on the engine's main thread.
+
+    The scheduler thread calls :meth:`submit` (a key not yet answered; duplicates of a
+    pending key are dropped) and reads :attr:`answers` (key -> (found, monotonic time of
+    the check)); only the checker thread writes :attr:`answers` (single dict
+    assignments and deletions, atomic under the GIL), and calls ``slow(us)`` after a check
+    that took :data:`SLOW_CHECK_US` or more."""
+
+    def __init__(self, check: Callable[[OffloadKey], bool],
+                 slow: Callable[[int], None]) -> None:
+        self._check = check
+        self._slow = slow
+        self.answers: dict[OffloadKey, tuple[bool, float]] = {}
+        self._queue: collections.deque[OffloadKey] = collections.deque()
+        self._pending: set[OffloadKey] = set()
+        self._cv = threading.Condition()
+        self._stop = False
+        self.checks = 0
+        self._thread = threading.Thread(target=self._run, name="pykvcache-lookup",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, key: OffloadKey) -> None:
+        """Scheduler thread: check ``key`` in the background (no-op while pending)."""
+        with self._cv:
+            if key in self._pending:
+                return
+            self._pending.add(key)
+            self._queue.append(key)
+            self._cv.notify()
+
+    def _run(self) -> None:
+        answers, queue = self.answers, self._queue
+        while True:
+            with self._cv:
+                while not queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                key = queue.popleft()
+            t0 = time.perf_counter_ns()
+            try:
+                found = self._check(key)
+            except OSError:  # unreadable: a miss (recompute), never an error
+                found = False
+            us = (time.perf_counter_ns() - t0) // 1000
+            if len(answers) >= CHECKED_MAX:
+                del answers[next(iter(answers))]  # oldest answer first
+            answers[key] = (found, time.monotonic())
+            self.checks += 1
+            with self._cv:
+                self._pending.discard(key)
+            if us >= SLOW_CHECK_US:
+                self._slow(us)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=5)
+
 
 class _StatsExporter:
     """Writes a counters snapshot to ``path`` (JSON, atomically replaced) from a daemon
@@ -402,7 +479,10 @@ class PyKVCacheManager(OffloadingManager):
                  writeback_max_fraction: float | str = "auto",
                  writeback_flush: bool = False,
                  lookup_cache_s: float = 0.0, disk_admission: str = "all",
-                 join_promotions: bool = False) -> None:
+                 join_promotions: bool = False, disk_lookup_async: str = "auto") -> None:
+        if disk_lookup_async not in DISK_LOOKUP_ASYNC:
+            raise ValueError(f"disk_lookup_async must be one of {DISK_LOOKUP_ASYNC}, got "
+                             f"{disk_lookup_async!r}")
         if disk_admission not in DISK_ADMISSIONS:
             raise ValueError(f"disk_admission must be one of {DISK_ADMISSIONS}, got "
                              f"{disk_admission!r}")
@@ -513,6 +593,11 @@ class PyKVCacheManager(OffloadingManager):
         self._pos_ttl = lookup_cache_s
         self._pos: collections.OrderedDict[OffloadKey, float] | None = (
             collections.OrderedDict() if lookup_cache_s > 0 else None)
+        #: ``disk_lookup_async``: "off", "on" (lookups never check files on this thread)
+        #: or "auto" (only until :attr:`_async_until`, set by a slow check)
+        self._async_mode = disk_lookup_async
+        self._async_until = float("inf") if disk_lookup_async == "on" else 0.0
+        self._checker: _DiskChecker | None = None
         self._events_on = enable_events
         self._exporter: _StatsExporter | None = None
         self._observations: dict[str, list[float]] = {}
@@ -565,6 +650,8 @@ class PyKVCacheManager(OffloadingManager):
         c["disk_check_us"] += us
         if us > c["disk_check_max_us"]:
             c["disk_check_max_us"] = us
+        if us >= SLOW_CHECK_US:
+            self._slow_check(us)
         if pos is None:
             return found
         if found:
@@ -577,6 +664,40 @@ class PyKVCacheManager(OffloadingManager):
         if until is not None:
             del pos[key]
         return False
+
+    def _slow_check(self, us: int) -> None:
+        """A file check took ``us`` >= :data:`SLOW_CHECK_US` (either thread): with
+        ``disk_lookup_async="auto"`` lookups check files in the background for the next
+        :data:`ASYNC_LOOKUP_HOLD_S` (a float assignment, atomic under the GIL)."""
+        if self._async_mode == "auto":
+            if time.monotonic() >= self._async_until:
+                log.info("py-kvcache: a file check took %d ms: disk lookups move off the "
+                         "engine thread for %.0f s (disk_lookup_async=auto)", us // 1000,
+                         ASYNC_LOOKUP_HOLD_S)
+            self._async_until = time.monotonic() + ASYNC_LOOKUP_HOLD_S
+
+    def _lookup_on_disk(self, key: OffloadKey) -> bool | None:
+        """:meth:`_on_disk` for lookups and preload planning: synchronous, except while
+        ``disk_lookup_async`` is in background mode; then the answer of a background
+        check less than :data:`CHECKED_TTL_S` old, or None after handing ``key`` to the
+        checker thread (the caller answers "not yet": vLLM's RETRY). Scheduler thread."""
+        if self._async_until <= 0.0 or time.monotonic() >= self._async_until:
+            return self._on_disk(key)
+        pos = self._pos
+        if pos is not None:
+            until = pos.get(key)
+            if until is not None and until > time.monotonic():
+                self.counters["lookups_cached"] += 1
+                return True
+        chk = self._checker
+        if chk is None:
+            chk = self._checker = _DiskChecker(
+                lambda k: all(d.exists(k) for d in self.disk), self._slow_check)
+        ans = chk.answers.get(key)
+        if ans is not None and time.monotonic() - ans[1] < CHECKED_TTL_S:
+            return ans[0]
+        chk.submit(key)
+        return None
 
     def _wb_cap(self) -> int:
         """DRAM slots the write-back may hold now (``writeback_max_fraction``): the
@@ -705,8 +826,8 @@ class PyKVCacheManager(OffloadingManager):
                 continue
             if (self.dram is not None and self.dram.lookup(key) >= 0) or key in self._promoting:
                 continue  # in the DRAM tier, or being read into it for another request
-            if key in self._storing or key in self._bad or not self._on_disk(key):
-                return
+            if key in self._storing or key in self._bad or not self._lookup_on_disk(key):
+                return  # not on disk (or not known yet: disk_lookup_async)
             planned[key] = None
             out.append(key)
             if len(out) >= max_blocks:
@@ -888,7 +1009,11 @@ class PyKVCacheManager(OffloadingManager):
         if not compat.disk_allowed(req_context):  # the request's tier filter (vLLM 0.32)
             self.counters["misses"] += 1
             return LookupResult.MISS
-        if self._on_disk(key):
+        on_disk = self._lookup_on_disk(key)
+        if on_disk is None:  # being checked in the background: vLLM asks again
+            self.counters["lookups_retry"] += 1
+            return LookupResult.RETRY
+        if on_disk:
             if self._staged and self._live(self._staged, key):
                 self.counters["hits_staged"] += 1
                 if not self._lookup_disk:
@@ -1436,6 +1561,8 @@ class PyKVCacheManager(OffloadingManager):
         return st
 
     def shutdown(self) -> None:
+        if self._checker is not None:
+            self._checker.close()
         self._maybe_export()
         if self._exporter is not None:
             self._exporter.close()  # the final counters are written before returning

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -870,3 +871,63 @@ def test_protect_queue_promotion_serves_the_next_reader_not_the_loading_one(
     spec = m.prepare_load(kx[:1], ReqContext("x"))
     assert spec.dram_slots[0] >= 0 and m.stats()["promotions"] == 1
     m.dram.check()
+
+
+def test_manager_slow_file_checks_move_lookups_off_the_scheduler_thread(
+        tmp_path, vllm_available, monkeypatch):
+    """disk_lookup_async: with 'auto', a file check of 20 ms or more (here a filesystem
+    slowed to 30 ms per check, as a cold directory behind a full disk queue is) puts
+    lookups in background mode: a lookup of a block not yet answered returns RETRY at
+    once (vLLM asks again next step) while the checker thread checks it, and the next
+    lookup gets the answer, hit or miss, without a check on the scheduler thread. With
+    'off' every lookup checks on the calling thread; with 'on' from the first."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.layout import LayoutIndex
+    from kvcache_core.vllm import manager as M
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    lay = Layout(str(tmp_path), ns)
+    r = ReqContext("r")
+    for i in range(1, 4):
+        assert lay.write_block(bytes(key(i)), bytes(ns.block_bytes))
+    real = LayoutIndex.exists
+    callers: list[str] = []
+
+    def slow_exists(self, k):
+        callers.append(threading.current_thread().name)
+        time.sleep(0.03)
+        return real(self, k)
+
+    monkeypatch.setattr(LayoutIndex, "exists", slow_exists)
+    m = M.PyKVCacheManager(str(tmp_path), [ns], n_dram=0)  # disk_lookup_async="auto"
+    try:
+        assert m.lookup(key(1), r) == LookupResult.HIT  # checked here: slow, arms it
+        assert callers == ["MainThread"]
+        t0 = time.perf_counter()
+        assert m.lookup(key(2), r) == LookupResult.RETRY
+        assert m.lookup(key(9), r) == LookupResult.RETRY  # not on disk
+        assert time.perf_counter() - t0 < 0.02  # nothing waited for the filesystem
+        deadline = time.monotonic() + 5
+        while len(m._checker.answers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert m.lookup(key(2), r) == LookupResult.HIT
+        assert m.lookup(key(9), r) == LookupResult.MISS
+        assert callers.count("MainThread") == 1 and callers.count("pykvcache-lookup") == 2
+        s = m.stats()
+        assert s["lookups_retry"] == 2 and s["disk_check_max_us"] >= 30_000, s
+    finally:
+        m.shutdown()
+    assert not m._checker._thread.is_alive()
+    off = M.PyKVCacheManager(str(tmp_path), [ns], n_dram=0, disk_lookup_async="off")
+    callers.clear()
+    assert off.lookup(key(1), r) == LookupResult.HIT
+    assert off.lookup(key(3), r) == LookupResult.HIT
+    assert callers == ["MainThread", "MainThread"] and off._checker is None
+    on = M.PyKVCacheManager(str(tmp_path), [ns], n_dram=0, disk_lookup_async="on")
+    try:
+        assert on.lookup(key(3), r) == LookupResult.RETRY
+    finally:
+        on.shutdown()
+    with pytest.raises(ValueError, match="disk_lookup_async"):
+        M.PyKVCacheManager(str(tmp_path), [ns], n_dram=0, disk_lookup_async="yes")

@@ -59,6 +59,11 @@ def test_parse_extra_config_errors_name_the_key():
             O.parse_extra_config({**base, "disk_load_hold_s": bad})
     assert O.parse_extra_config(base).disk_load_hold_s == 0.0
     assert O.parse_extra_config({**base, "disk_load_hold_s": 30}).disk_load_hold_s == 30.0
+    for bad in (True, "yes", None, 1):
+        with pytest.raises(ConfigError, match="'disk_lookup_async'.*'auto', 'on' or 'off'"):
+            O.parse_extra_config({**base, "disk_lookup_async": bad})
+    assert O.parse_extra_config(base).disk_lookup_async == "auto"
+    assert O.parse_extra_config({**base, "disk_lookup_async": "on"}).disk_lookup_async == "on"
     for bad in (0, 65, "2", True, 1.5, None):
         with pytest.raises(ConfigError, match="'disk_load_hold_requests'.*1..64"):
             O.parse_extra_config({**base, "disk_load_hold_requests": bad})
