@@ -342,6 +342,11 @@ DISK_ADMISSIONS = ("all", "reuse")
 #: shortest gap between two writes of ``$KVCACHE_STATS_FILE`` (benchmarks, ``make run``)
 STATS_EXPORT_GAP_S = 0.1
 
+#: what a lookup answers while its block's files are checked in the background: vLLM's
+#: RETRY (0.26: "location uncertain", the scan goes on and the request is asked again
+#: next step); HIT_PENDING (also a deferral) on a release without it
+LOOKUP_RETRY = getattr(LookupResult, "RETRY", LookupResult.HIT_PENDING)
+
 #: ``disk_lookup_async``: values, and (``auto``) a file check at least this slow puts the
 #: lookups in background mode for :data:`ASYNC_LOOKUP_HOLD_S` (on a local disk a check
 #: takes microseconds; the thirty-seventh session's checks behind a full disk queue after
@@ -1012,7 +1017,7 @@ class PyKVCacheManager(OffloadingManager):
         on_disk = self._lookup_on_disk(key)
         if on_disk is None:  # being checked in the background: vLLM asks again
             self.counters["lookups_retry"] += 1
-            return LookupResult.RETRY
+            return LOOKUP_RETRY
         if on_disk:
             if self._staged and self._live(self._staged, key):
                 self.counters["hits_staged"] += 1

@@ -198,9 +198,11 @@ GLUE_KEY_HELP: dict[str, str] = {
     "requests (in practice two documents: the requests of a document being promoted wait "
     "on it anyway) read at once, so the disk's queue stays deep while each document read "
     "keeps its DRAM-tier slots for its waiting readers. The admission model of the "
-    "thirty-sixth session (scripts/sim_admission.py, pyk-serial-2) puts 2 ahead of 1 on "
-    "the fifty-client 40k run (0.48x against 0.59x the defaults' mean TTFT). New in the "
-    "thirty-seventh session.",
+    "thirty-sixth session (scripts/sim_admission.py, pyk-serial-2) put 2 ahead of 1 on the "
+    "fifty-client 40k run; measured on an H100 (thirty-seventh session) 2 lost: 31.2 s "
+    "mean TTFT and 121 GB read against 16.3 s / 71 GB with 1 (a document's second reader "
+    "through staging counts as another request, so two documents' reads interleave and "
+    "evict each other's promotions).",
     "disk_backlog_gate": "With breakeven_table: a reusable prefix part of which must come "
     "from disk is read only while the disk can deliver it before the GPU would have "
     "recomputed it: the bytes of the disk loads already in flight plus its own disk "
