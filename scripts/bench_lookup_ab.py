@@ -31,12 +31,12 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTERS = ("lookup_requests", "lookup_us", "lookup_max_us", "lookups_skipped",
             "lookups_retry", "disk_checks", "disk_check_us", "hits_pending")
-#: a tiny Llama (dummy weights): the same shape as tests/test_bench_reports.py's TINY
+#: a tiny Llama (dummy weights): tests/test_bench_reports.py's TINY, with room for 32k
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096,
     "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
     "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
 
@@ -66,6 +66,9 @@ def run_once(tree: str, work: str, name: str, args: argparse.Namespace) -> dict:
     if p.returncode != 0 or not os.path.exists(out):
         return {"error": p.stderr[-2000:], "wall_s": time.monotonic() - t0}
     (row,) = json.load(open(out))["results"]
+    if row.get("mean_ttft_s") is None:
+        return {"error": str(row.get("error", "no TTFT in the result"))[-2000:],
+                "wall_s": time.monotonic() - t0}
     st = row.get("scheduler_stats") or {}
     return {"mean_ttft_s": row.get("mean_ttft_s"), "p90_ttft_s": row.get("p90_ttft_s"),
             "wall_s": row.get("wall_s"), "disk_read_bytes": row.get("disk_read_bytes"),
