@@ -226,14 +226,17 @@ class OffloadingConnector(_VllmOffloadingConnector):
             c["lookups_skipped"] += 1  # still waiting on the same promotion: no rescan
             return None, False
         t0 = time.perf_counter_ns()
-        pending0 = c["hits_pending"]
+        pending0, retry0 = c["hits_pending"], c["lookups_retry"]
         judged = sched.begin_lookup(request)
         found = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not compat.MANAGER_TOUCH:  # vLLM 0.32: the touch 0.26's scheduler does here
             sched.touch_request(request)
         out = sched.end_lookup(request, num_computed_tokens, found) if judged else found
+        # memoized only when deferred on a promotion alone: a RETRY (disk_lookup_async)
+        # needs the rescan that picks up the background check's answer
         sched.note_lookup(request, num_computed_tokens,
-                          found[0] is None and c["hits_pending"] > pending0)
+                          found[0] is None and c["hits_pending"] > pending0
+                          and c["lookups_retry"] == retry0)
         # diagnostics: how long lookups hold the engine's main thread (file existence
         # checks wait for the disk and give the GIL away; the thirty-sixth session's stalls)
         us = (time.perf_counter_ns() - t0) // 1000

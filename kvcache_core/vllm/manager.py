@@ -484,7 +484,7 @@ class PyKVCacheManager(OffloadingManager):
                  writeback_max_fraction: float | str = "auto",
                  writeback_flush: bool = False,
                  lookup_cache_s: float = 0.0, disk_admission: str = "all",
-                 join_promotions: bool = False, disk_lookup_async: str = "auto") -> None:
+                 join_promotions: bool = False, disk_lookup_async: str = "off") -> None:
         if disk_lookup_async not in DISK_LOOKUP_ASYNC:
             raise ValueError(f"disk_lookup_async must be one of {DISK_LOOKUP_ASYNC}, got "
                              f"{disk_lookup_async!r}")

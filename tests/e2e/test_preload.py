@@ -302,21 +302,3 @@ def test_a_deferred_lookup_is_repeated_once_a_disk_load_ends(model_dir, workdir)
         assert not sched.still_deferred(req, 0) and not sched._deferred
     finally:
         H.shutdown(llm)
-
-
-def test_background_file_checks_give_recompute_tokens(model_dir, workdir, reference):
-    """``disk_lookup_async="on"``: every file check of a lookup or a preload plan runs on
-    the manager's background thread (the request waits a step: vLLM's RETRY). A and B
-    stored on disk, then A, B, A queued in a fresh engine with preload: each request
-    loads its whole prefix from disk or the DRAM tier, the tokens are recompute's, and
-    the scheduler thread checked no file for a lookup."""
-    root = os.path.join(workdir, "root_async_lookup")
-    H.store_prompts(model_dir, root, ["A", "B"])
-    names = ["A", "B", "A"]
-    s, conn, outs = H.queued(model_dir, root, reference, names,
-                             dram_cache_bytes=8 * H.FILE_BYTES, disk_lookup_async="on")
-    for n, o in zip(names, outs, strict=True):
-        assert o["num_cached_tokens"] == 768, (n, o)
-    assert s["lookups_retry"] > 0 and s["load_failures"] == 0, s
-    assert s["bytes_read"] >= 6 * H.FILE_BYTES, s  # A's and B's blocks, from disk
-    assert conn._sched.manager._checker.checks >= 6

@@ -875,8 +875,9 @@ def test_protect_queue_promotion_serves_the_next_reader_not_the_loading_one(
 
 def test_manager_slow_file_checks_move_lookups_off_the_scheduler_thread(
         tmp_path, vllm_available, monkeypatch):
-    """disk_lookup_async: with 'auto', a file check of 20 ms or more (here a filesystem
-    slowed to 30 ms per check, as a cold directory behind a full disk queue is) puts
+    """disk_lookup_async (experimental, off by default): with 'auto', a file check of
+    20 ms or more (here a filesystem slowed to 30 ms per check, as a cold directory
+    behind a full disk queue is) puts
     lookups in background mode: a lookup of a block not yet answered returns RETRY at
     once (vLLM asks again next step) while the checker thread checks it, and the next
     lookup gets the answer, hit or miss, without a check on the scheduler thread. With
@@ -900,7 +901,7 @@ def test_manager_slow_file_checks_move_lookups_off_the_scheduler_thread(
         return real(self, k)
 
     monkeypatch.setattr(LayoutIndex, "exists", slow_exists)
-    m = M.PyKVCacheManager(str(tmp_path), [ns], n_dram=0)  # disk_lookup_async="auto"
+    m = M.PyKVCacheManager(str(tmp_path), [ns], n_dram=0, disk_lookup_async="auto")
     try:
         assert m.lookup(key(1), r) == LookupResult.HIT  # checked here: slow, arms it
         assert callers == ["MainThread"]
@@ -919,7 +920,7 @@ def test_manager_slow_file_checks_move_lookups_off_the_scheduler_thread(
     finally:
         m.shutdown()
     assert not m._checker._thread.is_alive()
-    off = M.PyKVCacheManager(str(tmp_path), [ns], n_dram=0, disk_lookup_async="off")
+    off = M.PyKVCacheManager(str(tmp_path), [ns], n_dram=0)  # "off", the default
     callers.clear()
     assert off.lookup(key(1), r) == LookupResult.HIT
     assert off.lookup(key(3), r) == LookupResult.HIT

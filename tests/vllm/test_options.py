@@ -62,7 +62,7 @@ def test_parse_extra_config_errors_name_the_key():
     for bad in (True, "yes", None, 1):
         with pytest.raises(ConfigError, match="'disk_lookup_async'.*'auto', 'on' or 'off'"):
             O.parse_extra_config({**base, "disk_lookup_async": bad})
-    assert O.parse_extra_config(base).disk_lookup_async == "auto"
+    assert O.parse_extra_config(base).disk_lookup_async == "off"
     assert O.parse_extra_config({**base, "disk_lookup_async": "on"}).disk_lookup_async == "on"
     for bad in (0, 65, "2", True, 1.5, None):
         with pytest.raises(ConfigError, match="'disk_load_hold_requests'.*1..64"):
