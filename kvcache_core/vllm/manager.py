@@ -643,13 +643,10 @@ class PyKVCacheManager(OffloadingManager):
         stale (the file evicted by any process since): the load then fails, the block is
         recomputed and its cache entry dropped (:meth:`on_worker_report`)."""
         pos, c = self._pos, self.counters
-        if pos is not None:
-            until = pos.get(key)
-            if until is not None and until > time.monotonic():
-                c["lookups_cached"] += 1
-                return True
+        if self._cached_on_disk(key):
+            return True
         t0 = time.perf_counter_ns()
-        found = all(d.exists(key) for d in self.disk)
+        found = self._files_exist(key)
         us = (time.perf_counter_ns() - t0) // 1000
         c["disk_checks"] += 1
         c["disk_check_us"] += us
@@ -660,15 +657,30 @@ class PyKVCacheManager(OffloadingManager):
         if pos is None:
             return found
         if found:
-            now = time.monotonic()
-            pos[key] = now + self._pos_ttl
+            pos[key] = time.monotonic() + self._pos_ttl
             pos.move_to_end(key)
             if len(pos) > LOOKUP_CACHE_MAX:
                 pos.popitem(last=False)
             return True
-        if until is not None:
-            del pos[key]
+        pos.pop(key, None)  # an expired entry
         return False
+
+    def _files_exist(self, key: OffloadKey) -> bool:
+        """One ``access`` per rank: every rank's file of ``key`` is published. Any
+        thread (the scheduler's, or ``disk_lookup_async``'s checker)."""
+        return all(d.exists(key) for d in self.disk)
+
+    def _cached_on_disk(self, key: OffloadKey) -> bool:
+        """The positive lookup cache (``disk_lookup_cache_s``) believes ``key``'s files
+        exist (counted in ``lookups_cached``). Scheduler thread."""
+        pos = self._pos
+        if pos is None:
+            return False
+        until = pos.get(key)
+        if until is None or until <= time.monotonic():
+            return False
+        self.counters["lookups_cached"] += 1
+        return True
 
     def _slow_check(self, us: int) -> None:
         """A file check took ``us`` >= :data:`SLOW_CHECK_US` (either thread): with
@@ -688,16 +700,11 @@ class PyKVCacheManager(OffloadingManager):
         checker thread (the caller answers "not yet": vLLM's RETRY). Scheduler thread."""
         if self._async_until <= 0.0 or time.monotonic() >= self._async_until:
             return self._on_disk(key)
-        pos = self._pos
-        if pos is not None:
-            until = pos.get(key)
-            if until is not None and until > time.monotonic():
-                self.counters["lookups_cached"] += 1
-                return True
+        if self._cached_on_disk(key):
+            return True
         chk = self._checker
         if chk is None:
-            chk = self._checker = _DiskChecker(
-                lambda k: all(d.exists(k) for d in self.disk), self._slow_check)
+            chk = self._checker = _DiskChecker(self._files_exist, self._slow_check)
         ans = chk.answers.get(key)
         if ans is not None and time.monotonic() - ans[1] < CHECKED_TTL_S:
             return ans[0]
