@@ -92,6 +92,7 @@ from ..breakeven import GATE_TIERS
 from ..flags import AFTER_LOAD, IN_SLOT
 from ..layout import LayoutIndex, Namespace
 from ..staging import SlotAllocator
+from ..warm import DirWarmer
 from . import compat
 from .job_specs import PyKVLoadSpec, PyKVStoreSpec
 
@@ -125,6 +126,13 @@ MANAGER_COUNTERS: dict[str, str] = {
     "requests held the engine's main thread 10-18 s of a 31-55 s run).",
     "lookups_retry": "disk_lookup_async: lookups answered RETRY while their block's files "
     "were checked on the background thread (vLLM asks again next step).",
+    "warm_files": "disk_warm_start: files whose metadata the start-up warm-up read "
+    "(set once, when it ends).",
+    "warm_dirs": "disk_warm_start: directories the start-up warm-up listed.",
+    "warm_errors": "disk_warm_start: directories the start-up warm-up could not read "
+    "(skipped).",
+    "warm_us": "disk_warm_start: microseconds the start-up warm-up took (a background "
+    "thread's time, not the engine's).",
     "hits_dram": "Lookups served by the DRAM tier.",
     "hits_disk": "Lookups served by the disk tier.",
     "misses": "Lookups that missed (including keys whose store is in flight).",
@@ -484,7 +492,8 @@ class PyKVCacheManager(OffloadingManager):
                  writeback_max_fraction: float | str = "auto",
                  writeback_flush: bool = False,
                  lookup_cache_s: float = 0.0, disk_admission: str = "all",
-                 join_promotions: bool = False, disk_lookup_async: str = "off") -> None:
+                 join_promotions: bool = False, disk_lookup_async: str = "off",
+                 warm_start: bool = False) -> None:
         if disk_lookup_async not in DISK_LOOKUP_ASYNC:
             raise ValueError(f"disk_lookup_async must be one of {DISK_LOOKUP_ASYNC}, got "
                              f"{disk_lookup_async!r}")
@@ -603,6 +612,10 @@ class PyKVCacheManager(OffloadingManager):
         self._async_mode = disk_lookup_async
         self._async_until = float("inf") if disk_lookup_async == "on" else 0.0
         self._checker: _DiskChecker | None = None
+        #: ``disk_warm_start``: the cache directory's metadata read on a daemon thread
+        #: once, at start-up (:mod:`kvcache_core.warm`); it only sets the warm_*
+        #: counters, from its own thread, when it ends
+        self._warmer: DirWarmer | None = None
         self._events_on = enable_events
         self._exporter: _StatsExporter | None = None
         self._observations: dict[str, list[float]] = {}
@@ -634,6 +647,8 @@ class PyKVCacheManager(OffloadingManager):
         self._lookup_fast_staged = False
         #: bytes a key's files hold over all ranks (what reading it from disk costs)
         self.key_bytes = sum(d.ns.file_bytes for d in self.disk)
+        if warm_start:
+            self.start_warm()
 
     # ------------------------------------------------------------------ helpers
     def _on_disk(self, key: OffloadKey) -> bool:
@@ -1572,7 +1587,27 @@ class PyKVCacheManager(OffloadingManager):
                 st.observe_histogram(METRIC_PREFIX + k + "_seconds", v)
         return st
 
+    def start_warm(self) -> None:
+        """``disk_warm_start``: read the cache directory's metadata (every rank's
+        namespace directory) into the kernel's caches on a daemon thread, so that the
+        first lookups after a restart or ``drop_caches`` do not read it from a busy disk
+        on the engine's main thread (:mod:`kvcache_core.warm`). Idempotent; returns at
+        once. Scheduler thread (construction)."""
+        if self._warmer is None:
+            self._warmer = DirWarmer([d.base for d in self.disk], self._warm_done)
+
+    def _warm_done(self, files: int, dirs: int, errors: int, us: int) -> None:
+        """The warm-up's end (its own thread): single counter assignments."""
+        c = self.counters
+        c["warm_files"], c["warm_dirs"], c["warm_errors"], c["warm_us"] = (
+            files, dirs, errors, us)
+        log.info("py-kvcache: start-up warm-up read the metadata of %d cached files in "
+                 "%d directories in %.2f s%s (disk_warm_start)", files, dirs, us / 1e6,
+                 f", {errors} unreadable directories skipped" if errors else "")
+
     def shutdown(self) -> None:
+        if self._warmer is not None:
+            self._warmer.close()
         if self._checker is not None:
             self._checker.close()
         self._maybe_export()

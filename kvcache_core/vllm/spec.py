@@ -174,6 +174,7 @@ class PyKVCacheSpec(OffloadingSpec):
                 disk_admission=self.storage.disk_admission,
                 lookup_cache_s=self.lookup_cache_s,
                 disk_lookup_async=self.options.disk_lookup_async,
+                warm_start=self.options.disk_warm_start,
                 join_promotions=self.options.join_promotions,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager

@@ -263,6 +263,10 @@ def test_one_document_three_times_at_once_is_read_once(model_dir, workdir, refer
     assert s["lookup_requests"] >= 3 and 0 < s["lookup_max_us"] <= s["lookup_us"], s
     # the file checks' timer: the first lookup found A's 3 files on disk (one check each)
     assert s["disk_checks"] >= 3 and s["disk_check_max_us"] <= s["disk_check_us"], s
+    # disk_warm_start (on by default): the engine read the metadata of A's files at
+    # start-up, on its own thread (ms here; the lookups after a restart on a busy disk
+    # are what it is for)
+    assert s["warm_files"] >= 3 and s["warm_errors"] == 0 and s["warm_dirs"] >= 2, s
     if join:
         assert s["hits_promoting"] > 0 and s["hits_pending"] == 0, s
         assert s["loads_join_promotion"] == 6 and s["loads_dram"] == 0, s

@@ -63,6 +63,11 @@ def test_parse_extra_config_errors_name_the_key():
         with pytest.raises(ConfigError, match="'disk_lookup_async'.*'auto', 'on' or 'off'"):
             O.parse_extra_config({**base, "disk_lookup_async": bad})
     assert O.parse_extra_config(base).disk_lookup_async == "off"
+    for bad in ("true", 1, None):
+        with pytest.raises(ConfigError, match="'disk_warm_start'.*true or false"):
+            O.parse_extra_config({**base, "disk_warm_start": bad})
+    assert O.parse_extra_config(base).disk_warm_start is True
+    assert O.parse_extra_config({**base, "disk_warm_start": False}).disk_warm_start is False
     assert O.parse_extra_config({**base, "disk_lookup_async": "on"}).disk_lookup_async == "on"
     for bad in (0, 65, "2", True, 1.5, None):
         with pytest.raises(ConfigError, match="'disk_load_hold_requests'.*1..64"):
