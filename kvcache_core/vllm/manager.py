@@ -199,6 +199,9 @@ MANAGER_COUNTERS: dict[str, str] = {
     "is read by a waiting request in view before the new block (preload_protect).",
     "loads_held": "Waiting requests that waited for another request's disk load before "
     "starting their own (disk_load_hold_s; each request counted once per wait).",
+    "loads_hold_joined": "disk_load_hold_s: requests that did not wait because every "
+    "chunk they needed from disk was being read for another request right now (they "
+    "join those reads instead of reading the blocks again after them).",
     "loads_hold_expired": "Such waits that reached disk_load_hold_s: the request then "
     "loaded from disk beside the other load.",
 }
@@ -571,6 +574,11 @@ class PyKVCacheManager(OffloadingManager):
         self._stats_sig: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._lookup_disk = False
         self._lookup_disk_n = 0
+        #: of those, chunks another request's load is reading from disk right now
+        self._lookup_disk_reading = 0
+        #: keys that a load is reading from disk through staging right now (``disk``
+        #: records): a second load of one joins that read in the worker (one read)
+        self._reading: collections.Counter[OffloadKey] = collections.Counter()
         #: counters owned by others (the connector's break-even gate), reported in stats()
         self.extra_counters: dict[str, int] = {}
         #: False when the break-even table says the disk tier never beats recompute (set
@@ -794,6 +802,7 @@ class PyKVCacheManager(OffloadingManager):
         """The connector starts one request's lookups (break-even gate bookkeeping)."""
         self._lookup_disk = False
         self._lookup_disk_n = 0
+        self._lookup_disk_reading = 0
         self._lookup_fast = 0
         self._lookup_fast_staged = False
 
@@ -801,6 +810,13 @@ class PyKVCacheManager(OffloadingManager):
         """Hit chunks since :meth:`begin_lookup` that must come from disk (neither in the
         DRAM tier nor staged): what the request would add to the disk's reads."""
         return self._lookup_disk_n
+
+    def lookup_disk_new_chunks(self) -> int:
+        """Of :meth:`lookup_disk_chunks`, those that no other request's load is reading
+        from disk right now: what the request would add to the disk's reads (the others
+        join the read in flight: in the worker for a read through staging, from the
+        promotion's slot with ``join_promotions``). Scheduler thread; O(1)."""
+        return self._lookup_disk_n - self._lookup_disk_reading
 
     def dram_short(self, n: int) -> bool:
         """Whether the DRAM tier cannot give ``n`` slots now (to promote ``n`` chunks read
@@ -1028,6 +1044,7 @@ class PyKVCacheManager(OffloadingManager):
                 self.counters["hits_promoting"] += 1
                 self._lookup_disk = True
                 self._lookup_disk_n += 1
+                self._lookup_disk_reading += 1
                 return LookupResult.HIT
             # another request is reading this block into the DRAM tier right now: wait
             # for that read (vLLM retries the lookup next step) instead of a second one
@@ -1050,6 +1067,8 @@ class PyKVCacheManager(OffloadingManager):
             self.counters["hits_disk"] += 1
             self._lookup_disk = True
             self._lookup_disk_n += 1
+            if key in self._reading:
+                self._lookup_disk_reading += 1
             return LookupResult.HIT
         self.counters["misses"] += 1
         return LookupResult.MISS
@@ -1104,6 +1123,8 @@ class PyKVCacheManager(OffloadingManager):
             if how != "pin":
                 self.disk_loads_in_flight += 1
                 self._disk_reqs[req_id] += 1
+                if how == "disk":
+                    self._reading[key] += 1
             if how == "promote":
                 self.counters["promotions"] += 1
                 self._promoting[key] += 1
@@ -1173,6 +1194,11 @@ class PyKVCacheManager(OffloadingManager):
             reqs[req_id] -= 1
             if reqs[req_id] <= 0:
                 del reqs[req_id]
+            if how == "disk":
+                reading = self._reading
+                reading[key] -= 1
+                if reading[key] <= 0:
+                    del reading[key]
         if how == "promote":
             assert self.dram is not None
             self._promoting[key] -= 1
@@ -1388,6 +1414,7 @@ class PyKVCacheManager(OffloadingManager):
         self._loading.clear()
         self.disk_loads_in_flight = 0
         self._disk_reqs.clear()
+        self._reading.clear()
         self.load_epoch += 1  # what deferred or held lookups waited on is gone
         self._held.clear()
         self._loading_refs.clear()

@@ -92,6 +92,35 @@ def test_disk_loads_run_one_request_at_a_time(model_dir, workdir, reference, hol
         assert s.get("loads_held", 0) == 0, s
 
 
+@pytest.mark.parametrize("hold", [0, 30])
+def test_a_request_whose_blocks_are_being_read_joins_and_is_not_held(
+        model_dir, workdir, reference, hold):
+    """A stored on disk; a fresh engine without a DRAM tier gets A twice at once. The
+    first A reads its 3 blocks through staging; the second A needs exactly those blocks,
+    all being read right now, so even with the hold it is not held: it loads in the same
+    step and joins the first one's reads in the worker (one read per block). Held, it
+    would wait for those reads to end and then read the 3 blocks again (the
+    fifty-client runs at 10k read 1.8x the distinct bytes with the hold)."""
+    root = os.path.join(workdir, f"root_hold_join_{hold}")
+    H.store_prompts(model_dir, root, ["A"])
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=0,
+                                               preload_lookahead=0,
+                                               disk_load_hold_s=hold),
+                     max_num_seqs=3)
+    names = ["A", "A"]
+    outs, s, started = _run_batched(llm, names)
+    _check_batched(names, outs, reference)
+    assert s["load_failures"] == 0, s
+    assert s["chunks_loaded_disk"] == 6 and s["bytes_read"] == 3 * H.FILE_BYTES, s
+    assert s["loads_joined"] == 3, s  # the second A's three loads joined the reads
+    assert s.get("loads_held", 0) == 0, s
+    assert len(started) == 2 and started[1] == 3, started  # beside the first A's reads
+    if hold:
+        assert s["loads_hold_joined"] == 1, s
+    else:
+        assert s.get("loads_hold_joined", 0) == 0, s
+
+
 def test_two_requests_read_at_once_the_third_waits(model_dir, workdir, reference):
     """``disk_load_hold_requests=2``: A, B and C stored on disk; a fresh engine (three
     running slots, a DRAM tier that holds all three) gets A, B, C at once. B's read

@@ -932,3 +932,38 @@ def test_manager_slow_file_checks_move_lookups_off_the_scheduler_thread(
         on.shutdown()
     with pytest.raises(ValueError, match="disk_lookup_async"):
         M.PyKVCacheManager(str(tmp_path), [ns], n_dram=0, disk_lookup_async="yes")
+
+
+def test_manager_counts_the_disk_chunks_another_load_is_reading(tmp_path, vllm_available):
+    """``lookup_disk_new_chunks`` (what ``disk_load_hold_s`` asks): of a lookup's disk
+    chunks, those no other load reads from disk right now. A key read through staging
+    (no DRAM tier) by one request counts as being read for the next lookup until that
+    load completes; a reset forgets it."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    ns = Namespace("m", "bf16", 256, 1 << 16)
+    lay = Layout(str(tmp_path), ns)
+    for i in (1, 2):
+        assert lay.write_block(bytes(key(i)), bytes(ns.block_bytes))
+    m = PyKVCacheManager(str(tmp_path), [ns], n_dram=0)
+    a, b = ReqContext("a"), ReqContext("b")
+
+    def look(ctx):
+        m.begin_lookup()
+        assert [m.lookup(key(i), ctx) for i in (1, 2)] == [LookupResult.HIT] * 2
+        return m.lookup_disk_chunks(), m.lookup_disk_new_chunks()
+
+    assert look(a) == (2, 2)
+    spec = m.prepare_load([key(1)], a)
+    assert spec.dram_slots == [-1]  # through staging
+    assert look(b) == (2, 1)  # key 1 is being read for a: b would join that read
+    m.prepare_load([key(2)], a)
+    assert look(b) == (2, 0)
+    m.complete_load([key(1)], a)
+    assert look(b) == (2, 1)
+    m.reset_cache()
+    assert look(b) == (2, 2) and not m._reading
+    m.shutdown()
+    lay.close()
