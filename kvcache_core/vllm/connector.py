@@ -220,6 +220,9 @@ class OffloadingConnector(_VllmOffloadingConnector):
         sched = self._sched
         assert sched is not None
         c = sched.manager.counters
+        if sched.loaded_behind(request):
+            c["lookups_yielded"] += 1  # let vLLM's loop reach a request whose load is done
+            return None, False
         if sched.hold_s and sched.still_held(request):
             return None, False
         if sched.still_deferred(request, num_computed_tokens):

@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
 
 from ..breakeven import Gate, QueueModel, load_table
 from ..config import ConfigError
@@ -254,6 +255,10 @@ class SchedulerSide:
         #: ones not yet reported done by every worker (job id -> ranks so far)
         self.dram_load_sync: bool = opts.dram_load_sync
         self._sync_lookup: set[str] = set()
+        #: requests scheduled with an asynchronous load (vLLM parks them in
+        #: WAITING_FOR_REMOTE_KVS until the load is done and its waiting loop reaches
+        #: them again): req id -> request (:meth:`loaded_behind`)
+        self._async_loading: dict[str, Request] = {}
         self._sync_jobs: list[int] = []
         self._sync_pending: dict[int, int] = {}
         #: ``disk_load_hold_s`` (0: off) and the held requests: req id -> (monotonic
@@ -695,6 +700,8 @@ class SchedulerSide:
         workers report the copy done (:meth:`on_worker_meta`)."""
         rid = request.request_id
         if rid not in self._sync_lookup:
+            if num_external_tokens:
+                self._async_loading[rid] = request
             return
         self._sync_lookup.discard(rid)
         if not num_external_tokens:
@@ -715,10 +722,46 @@ class SchedulerSide:
         self._sync_jobs.append(job)
         self._sync_pending[job] = 0
 
+    def loaded_behind(self, request: Request) -> bool:
+        """Whether another request's asynchronous load is done while vLLM still has it
+        parked (WAITING_FOR_REMOTE_KVS, its GPU blocks allocated): the connector then
+        answers ``request``'s lookup "not yet".
+
+        Why: vLLM 0.26's FCFS waiting loop stops at the first request it cannot allocate
+        blocks for, and promotes a parked request only when the loop reaches it. A
+        request deferred once (RETRY, HIT_PENDING) sits ahead of later requests in the
+        skipped queue; if a later one was scheduled with a load meanwhile and holds the
+        blocks, the earlier one fails its allocation at the head every step and the
+        loaded one behind it is never promoted: the engine steps forever with nothing
+        running (reproduced on the CPU with ``disk_lookup_async="on"``: 1.2 million
+        lookups of one request in 150 s). Deferring the lookup lets the loop reach the
+        loaded request, which then runs and frees its blocks. A request is never parked
+        behind one that is still waiting for vLLM's loop in any other way: in FCFS the
+        skipped queue (where parked requests wait) is served first, so a finished load
+        is promoted before any request of the main queue is looked up.
+        Scheduler thread; O(requests with an asynchronous load in flight)."""
+        al = self._async_loading
+        if not al:
+            return False
+        rs = getattr(self._cs, "_req_status", None)
+        own = request.request_id
+        for rid, req in list(al.items()):
+            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if req.status != RequestStatus.WAITING:  # promoted, running or done
+                    del al[rid]
+                continue
+            if rid == own or rs is None:
+                continue
+            st = rs.get(rid)
+            if st is None or not getattr(st, "transfer_jobs", True):
+                return True  # its load jobs are all done: only the loop keeps it
+        return False
+
     def forget(self, request: Request) -> None:
         """``request`` finished (``request_finished*``): drop its state; a short one
         stays marked until the next metadata carries its last store job."""
         self._sync_lookup.discard(request.request_id)
+        self._async_loading.pop(request.request_id, None)
         self._prefilling.pop(request.request_id, None)
         self._gate_decisions.pop(request.request_id, None)
         self._holds.pop(request.request_id, None)

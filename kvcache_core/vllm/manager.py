@@ -124,6 +124,11 @@ MANAGER_COUNTERS: dict[str, str] = {
     "last lookup waited on a block being read into the DRAM tier (HIT_PENDING) and no "
     "disk load has ended since (thirty-seventh session: the repeated scans of waiting "
     "requests held the engine's main thread 10-18 s of a 31-55 s run).",
+    "lookups_yielded": "Request lookups answered 'not yet' because another request's "
+    "load was done while vLLM still kept it parked (WAITING_FOR_REMOTE_KVS) behind this "
+    "one: vLLM 0.26's waiting loop stops at a request it cannot allocate, so without "
+    "the deferral an earlier request that lost its blocks to the loaded one would hold "
+    "it forever.",
     "lookups_retry": "disk_lookup_async: lookups answered RETRY while their block's files "
     "were checked on the background thread (vLLM asks again next step).",
     "warm_files": "disk_warm_start: files whose metadata the start-up warm-up read "

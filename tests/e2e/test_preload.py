@@ -279,6 +279,67 @@ def test_one_document_three_times_at_once_is_read_once(model_dir, workdir, refer
         assert s["lookups_skipped"] > 0 and s["lookup_requests"] < 10, s
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("run", range(4))
+def test_background_file_checks_give_recompute_tokens(model_dir, workdir, reference, run):
+    """``disk_lookup_async="on"``: every file check of a lookup or a preload plan runs on
+    the manager's background thread (the request waits a step: vLLM's RETRY). A and B
+    stored on disk, then A, B, A queued in a fresh engine with preload: each request
+    loads its whole prefix from disk or the DRAM tier and the tokens are recompute's.
+
+    Run four times: in about half the runs of the thirty-seventh/eighth sessions the
+    second A, whose keys the background thread had answered by then, was scheduled with
+    a disk load while the first A and B waited deferred ahead of it; the first A then
+    found its blocks in the DRAM tier but no GPU blocks (the second A held them), and
+    vLLM 0.26's waiting loop, which stops at a request it cannot allocate, never
+    reached the loaded second A again: the engine stepped forever (1.2 million lookups
+    in 150 s). The connector now defers such a lookup while a loaded request waits
+    behind it (``lookups_yielded``; 25 of 25 runs passed, 3 of them yielded)."""
+    root = os.path.join(workdir, f"root_async_lookup_{run}")
+    H.store_prompts(model_dir, root, ["A", "B"])
+    names = ["A", "B", "A"]
+    s, conn, outs = H.queued(model_dir, root, reference, names,
+                             dram_cache_bytes=8 * H.FILE_BYTES, disk_lookup_async="on")
+    for n, o in zip(names, outs, strict=True):
+        assert o["num_cached_tokens"] == 768, (n, o)
+    assert s["lookups_retry"] > 0 and s["load_failures"] == 0, s
+    assert s["bytes_read"] >= 3 * H.FILE_BYTES, s  # A's blocks at least, from disk
+    assert conn._sched.manager._checker.checks >= 3
+
+
+def test_a_lookup_yields_to_a_request_whose_load_is_done(model_dir, workdir):
+    """``SchedulerSide.loaded_behind``: while a request scheduled with an asynchronous
+    load has its load done but is still parked by vLLM (WAITING_FOR_REMOTE_KVS), every
+    other request's lookup is answered "not yet", so vLLM's waiting loop reaches the
+    parked one; not while its load is in flight, not for itself, and no longer once it
+    was promoted."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    llm = H.make_llm(model_dir, H.extra_config(os.path.join(workdir, "root_yield")))
+    sched = H.scheduler_connector(llm)._sched
+    rs = sched._cs._req_status
+    try:
+        head = SimpleNamespace(request_id="head", status=RequestStatus.WAITING)
+        q = SimpleNamespace(request_id="q", status=RequestStatus.WAITING)
+        assert not sched.loaded_behind(head)
+        sched.after_load_job(q, 256)  # q scheduled with an asynchronous load
+        assert not sched.loaded_behind(head)  # vLLM has not parked it yet
+        q.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        rs["q"] = SimpleNamespace(transfer_jobs={7})
+        assert not sched.loaded_behind(head)  # its load is in flight
+        rs["q"].transfer_jobs.clear()  # done; vLLM's loop has not reached q yet
+        assert sched.loaded_behind(head) and not sched.loaded_behind(q)
+        q.status = RequestStatus.RUNNING  # promoted and scheduled
+        assert not sched.loaded_behind(head) and not sched._async_loading
+        sched.after_load_job(q, 0)  # a request without a load is not tracked
+        assert not sched._async_loading
+    finally:
+        rs.pop("q", None)
+        H.shutdown(llm)
+
+
 def test_a_deferred_lookup_is_repeated_once_a_disk_load_ends(model_dir, workdir):
     """The connector's memo of lookups deferred on a promotion (``still_deferred``): a
     request whose lookup was deferred (HIT_PENDING) is answered "not yet" without a scan
