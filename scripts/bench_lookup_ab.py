@@ -30,7 +30,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTERS = ("lookup_requests", "lookup_us", "lookup_max_us", "lookups_skipped",
-            "lookups_retry", "disk_checks", "disk_check_us", "hits_pending")
+            "lookups_retry", "disk_checks", "disk_check_us", "hits_pending",
+            "loads_held", "loads_hold_joined", "lookups_yielded", "warm_files")
 #: a tiny Llama (dummy weights): tests/test_bench_reports.py's TINY, with room for 32k
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096,
@@ -71,7 +72,7 @@ def run_once(tree: str, work: str, name: str, args: argparse.Namespace) -> dict:
                 "wall_s": time.monotonic() - t0}
     st = row.get("scheduler_stats") or {}
     return {"mean_ttft_s": row.get("mean_ttft_s"), "p90_ttft_s": row.get("p90_ttft_s"),
-            "wall_s": row.get("wall_s"), "disk_read_bytes": row.get("disk_read_bytes"),
+            "wall_s": row.get("wall_s"), "disk_read_bytes": row.get("disk_read_bytes") or 0,
             **{k: st.get(k, 0) for k in COUNTERS}}
 
 
@@ -116,8 +117,9 @@ def main() -> int:
     summary = {}
     for arm in ("before", "after"):
         ok = [r for r in runs if r["arm"] == arm and "error" not in r]
-        summary[arm] = {k: statistics.median(r[k] for r in ok) if ok else None
-                        for k in ("mean_ttft_s", "p90_ttft_s", "wall_s", *COUNTERS)}
+        summary[arm] = {k: statistics.median(r.get(k, 0) for r in ok) if ok else None
+                        for k in ("mean_ttft_s", "p90_ttft_s", "wall_s", "disk_read_bytes",
+                                  *COUNTERS)}
         summary[arm]["n"] = len(ok)
     res = {"machine": "CPU (vLLM CPU platform, tiny Llama, dummy weights)",
            "before": args.before, "after": head, "args": vars(args), "runs": runs,
@@ -130,18 +132,21 @@ def main() -> int:
              f"config `{args.config}` {' '.join(args.kv_extra)}; medians of "
              f"{args.rounds} interleaved rounds.", "",
              "| arm | n | mean TTFT (s) | p90 (s) | wall (s) | lookups | lookup s | "
-             "longest lookup ms | skipped | retry | file checks | check s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "longest lookup ms | skipped | retry | file checks | check s | disk read (MB) | "
+             "held | held-joined | yielded |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, m in summary.items():
         if not m["n"]:
-            lines.append(f"| {arm} | 0 | - | - | - | - | - | - | - | - | - | - |")
+            lines.append(f"| {arm} | 0 |" + " - |" * 14)
             continue
         lines.append(
             f"| {arm} | {m['n']} | {m['mean_ttft_s']:.3f} | {m['p90_ttft_s']:.3f} | "
             f"{m['wall_s']:.1f} | {m['lookup_requests']:.0f} | {m['lookup_us'] / 1e6:.2f} | "
             f"{m['lookup_max_us'] / 1e3:.0f} | {m['lookups_skipped']:.0f} | "
             f"{m['lookups_retry']:.0f} | {m['disk_checks']:.0f} | "
-            f"{m['disk_check_us'] / 1e6:.2f} |")
+            f"{m['disk_check_us'] / 1e6:.2f} | {m['disk_read_bytes'] / 1e6:.0f} | "
+            f"{m['loads_held']:.0f} | {m['loads_hold_joined']:.0f} | "
+            f"{m['lookups_yielded']:.0f} |")
     with open(args.json[:-5] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
