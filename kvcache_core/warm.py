@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from .layout import scan_dir
+
 log = logging.getLogger("vllm.pykvcache")
 
 #: worker threads listing top-level directories at once (a few requests in the disk's
@@ -79,9 +81,8 @@ class DirWarmer:
                 if not self._wait_for(base, t0 + self._wait_s):
                     continue
                 try:
-                    with os.scandir(base) as it:
-                        tops = [e.path for e in it
-                                if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+                    tops = [e.path for e in scan_dir(base)
+                            if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
                 except OSError:
                     self._add(0, 0, 1)
                     continue
@@ -121,8 +122,7 @@ class DirWarmer:
         if self._stop.is_set() or self.files >= self._max_files:
             return
         try:
-            with os.scandir(top) as it:
-                leaves = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+            leaves = [e.path for e in scan_dir(top) if e.is_dir(follow_symlinks=False)]
         except OSError:
             self._add(0, 0, 1)
             return
@@ -132,13 +132,12 @@ class DirWarmer:
                 return
             n = 0
             try:
-                with os.scandir(leaf) as it:
-                    for e in it:
-                        try:
-                            e.stat(follow_symlinks=False)  # the inode into the cache
-                            n += 1
-                        except FileNotFoundError:
-                            pass  # evicted or renamed meanwhile
+                for e in scan_dir(leaf):
+                    try:
+                        e.stat(follow_symlinks=False)  # the inode into the cache
+                        n += 1
+                    except FileNotFoundError:
+                        pass  # evicted or renamed meanwhile
             except OSError:
                 self._add(n, 0, 1)
                 continue

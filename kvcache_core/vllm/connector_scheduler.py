@@ -745,17 +745,22 @@ class SchedulerSide:
             return False
         rs = getattr(self._cs, "_req_status", None)
         own = request.request_id
-        for rid, req in list(al.items()):
+        stale: list[str] | None = None
+        found = False
+        for rid, req in al.items():
             if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if req.status != RequestStatus.WAITING:  # promoted, running or done
-                    del al[rid]
+                    (stale := stale or []).append(rid)
                 continue
             if rid == own or rs is None:
                 continue
             st = rs.get(rid)
             if st is None or not getattr(st, "transfer_jobs", True):
-                return True  # its load jobs are all done: only the loop keeps it
-        return False
+                found = True  # its load jobs are all done: only the loop keeps it
+                break
+        for rid in stale or ():
+            del al[rid]
+        return found
 
     def forget(self, request: Request) -> None:
         """``request`` finished (``request_finished*``): drop its state; a short one

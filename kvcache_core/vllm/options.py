@@ -196,7 +196,9 @@ GLUE_KEY_HELP: dict[str, str] = {
     "block on disk, fresh process after drop_caches) the scheduler thread spent 12-15 s "
     "of a 65 s run in file checks, one request's lookup 5.9 s. Changes no answer (the "
     "filesystem stays the authority; other processes publish and evict files); reads "
-    "metadata only (about 1 KB per file), at most 4 million files. Counters warm_files, "
+    "metadata only (about 1 KB per file), at most 4 million files. Not needed, and not "
+    "run, with max_disk_bytes: each worker already walks the namespace at start-up to "
+    "order its evictions, which warms the same caches. Counters warm_files, "
     "warm_dirs, warm_errors, warm_us. New in the thirty-eighth session, CPU-tested, not "
     "yet measured on a GPU.",
     "disk_lookup_async": "Where the scheduler's lookups check that a block's files exist: "

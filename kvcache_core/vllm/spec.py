@@ -174,7 +174,10 @@ class PyKVCacheSpec(OffloadingSpec):
                 disk_admission=self.storage.disk_admission,
                 lookup_cache_s=self.lookup_cache_s,
                 disk_lookup_async=self.options.disk_lookup_async,
-                warm_start=self.options.disk_warm_start,
+                # a bounded namespace is walked (scandir + lstat of every file) by each
+                # worker's Layout at construction (Layout.scan), which warms the same
+                # kernel caches: no second walk
+                warm_start=self.options.disk_warm_start and not self.max_disk_bytes_per_rank,
                 join_promotions=self.options.join_promotions,
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
