@@ -126,7 +126,10 @@ case "$STEP" in
     # (list NAME in CONFIGS), e.g. VARIANTS=kvcache_preload_join=kvcache_preload:join_promotions=true
     TOKENS=${TOKENS:-40960}
     if [ "$TOKENS" -gt 40960 ]; then DOCS=4; REP=13; else DOCS=8; REP=7; fi
+    # ROUNDS=N: the configuration list N times, order reversed every other round, each
+    # row the median over rounds (the disk's speed moves from call to call and within one)
     VA=(); for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
+    [ -n "${ROUNDS:-}" ] && VA+=(--rounds "$ROUNDS")
     "${B[@]}" --json "$RES/preload50-run-$M-$TOKENS$SFX.json" --tokens "$TOKENS" \
       --docs $DOCS --repeats $REP --concurrency 50 --workload longdoc --sample-interval 0.25 \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
