@@ -208,8 +208,12 @@ class SchedulerSide:
         #: vLLM's per-KV-group offload geometry (fixed for the engine's lifetime)
         self.group_configs: tuple[GroupOffloadConfig, ...] = cs.config.kv_group_configs
         #: k of the patched scheduler's ``on_preload_candidates`` (read every step
-        #: through the connector's ``preload_lookahead``); 0 disables preload
+        #: through the connector's ``preload_lookahead``); 0 disables preload; with
+        #: ``preload_protect_requests`` above ``preload_lookahead``, that many
         self.preload_lookahead: int = opts.preload_lookahead
+        #: how many of the offered requests preloads are planned for (the configured
+        #: ``preload_lookahead``; the offer may be wider for ``preload_protect_requests``)
+        self._plan_k: int = opts.preload_lookahead
         self._preload_max: int = opts.preload_max_blocks
         #: ``preload_protect``: the waiting requests' DRAM-tier blocks are evicted last
         #: (needs the patched scheduler's per-step call, so preload_lookahead > 0)
@@ -218,6 +222,9 @@ class SchedulerSide:
         if opts.preload_protect is True and not self._protect:
             log.warning("py-kvcache: preload_protect needs preload_lookahead > 0 and a "
                         "DRAM tier (dram_cache_bytes > 0): off")
+        if self._protect and opts.preload_protect_requests > self.preload_lookahead:
+            # the patched scheduler offers the wider view; preloads keep their own k
+            self.preload_lookahead = opts.preload_protect_requests
         #: whether the waiting requests' disk blocks are read ahead (False when the
         #: break-even table says disk loads never win but ``preload_protect`` keeps the
         #: per-step call)
@@ -607,14 +614,19 @@ class SchedulerSide:
         the first ``preload_lookahead`` waiting ``requests`` (scheduling order); with
         ``preload_protect``, their DRAM-tier blocks become the last to be evicted first.
         The manager notes their count for this step (the write-back's bound,
-        ``writeback_max_fraction`` ``auto``)."""
+        ``writeback_max_fraction`` ``auto``). With ``preload_protect_requests`` above
+        ``preload_lookahead`` the patched scheduler offers that many: all of them are
+        protected, the first ``preload_lookahead`` are the ones preloaded and counted."""
+        view = requests
+        if len(requests) > self._plan_k:
+            requests = requests[:self._plan_k]
         self.manager.note_waiting(len(requests))
         if self.balance_model is not None:
             self._waiting_ids = [r.request_id for r in requests]
         if self._protect:
-            self.manager.protect_queue(requests, self.group_configs)
+            self.manager.protect_queue(view, self.group_configs)
             self._ranked = True
-        if not self._plan_disk:
+        if not self._plan_disk or not requests:
             return
         admit = None
         if self.queue_model is not None:

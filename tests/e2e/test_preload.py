@@ -233,6 +233,39 @@ def test_preload_protect_stays_on_when_the_table_turns_preloads_off(model_dir, w
     assert s["dram_protected"] > 0 and s["chunks_loaded_dram"] > 0, s
 
 
+def test_preload_protect_requests_widens_the_protected_view_only(model_dir, workdir,
+                                                                 reference, monkeypatch):
+    """``preload_protect_requests`` above ``preload_lookahead``: the patched scheduler
+    offers that many waiting requests each step; all of them are protected
+    (``protect_queue``), preloads are planned for the first ``preload_lookahead`` only,
+    and the tokens are recompute's. Fails if the offer stays at the lookahead or if the
+    wider view reaches the preload planner."""
+    from kvcache_core.vllm.manager import PyKVCacheManager
+
+    seen: dict[str, list[int]] = {"protect": [], "plan": []}
+    protect, plan = PyKVCacheManager.protect_queue, PyKVCacheManager.plan_preloads
+
+    def protect_spy(self, requests, *a, **k):
+        seen["protect"].append(len(requests))
+        return protect(self, requests, *a, **k)
+
+    def plan_spy(self, requests, *a, **k):
+        seen["plan"].append(len(requests))
+        return plan(self, requests, *a, **k)
+
+    monkeypatch.setattr(PyKVCacheManager, "protect_queue", protect_spy)
+    monkeypatch.setattr(PyKVCacheManager, "plan_preloads", plan_spy)
+    root = os.path.join(workdir, "root_protect_view")
+    H.store_prompts(model_dir, root, ["A", "B", "C"])
+    s, conn, _ = H.queued(model_dir, root, reference, ["A", "B", "C", "A", "B"],
+                          dram_cache_bytes=8 * H.FILE_BYTES, preload_lookahead=1,
+                          preload_protect_requests=3)
+    assert conn.preload_lookahead == 3 and conn._sched._plan_k == 1
+    assert max(seen["protect"]) == 3, seen  # four queued behind the running one: 3 shown
+    assert seen["plan"] and max(seen["plan"]) == 1, seen
+    assert s["dram_protected"] > 0, s
+
+
 @pytest.mark.parametrize("join", [False, True])
 def test_one_document_three_times_at_once_is_read_once(model_dir, workdir, reference, join):
     """Three requests of one stored document at once, with a DRAM tier that holds it: the
