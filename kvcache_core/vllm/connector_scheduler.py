@@ -225,6 +225,10 @@ class SchedulerSide:
         if self._protect and opts.preload_protect_requests > self.preload_lookahead:
             # the patched scheduler offers the wider view; preloads keep their own k
             self.preload_lookahead = opts.preload_protect_requests
+        elif opts.preload_protect_requests and not self._protect:
+            log.warning("py-kvcache: preload_protect_requests has no effect while "
+                        "preload_protect is off (it needs preload_lookahead > 0 and a "
+                        "DRAM tier)")
         #: whether the waiting requests' disk blocks are read ahead (False when the
         #: break-even table says disk loads never win but ``preload_protect`` keeps the
         #: per-step call)
