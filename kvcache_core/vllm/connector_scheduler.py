@@ -630,7 +630,7 @@ class SchedulerSide:
         if self._protect:
             self.manager.protect_queue(view, self.group_configs)
             self._ranked = True
-        if not self._plan_disk or not requests:
+        if not self._plan_disk:
             return
         admit = None
         if self.queue_model is not None:

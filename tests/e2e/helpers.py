@@ -192,8 +192,8 @@ def queued(model_dir: str, root: str, reference: dict, names: list[str],
     """Send the :data:`PROMPTS` ``names`` at once to a fresh engine with
     :data:`QUEUED_SEQS` running slot and room for one request (the others queue),
     ``extra`` added to the connector config (preload lookahead 4 unless ``extra`` sets
-    it). Checks the outputs
-    against recompute's (``reference``); returns (manager stats, connector, outputs)."""
+    it). Checks the outputs against recompute's (``reference``); returns (manager stats,
+    connector, outputs)."""
     llm = make_llm(model_dir, extra_config(root, **{"preload_lookahead": 4, **extra}),
                    max_num_seqs=QUEUED_SEQS, num_gpu_blocks_override=QUEUED_GPU_BLOCKS,
                    max_model_len=QUEUED_GPU_BLOCKS * 128)

@@ -73,14 +73,14 @@ def test_parse_extra_config_errors_name_the_key():
         with pytest.raises(ConfigError, match="'disk_load_hold_requests'.*1..64"):
             O.parse_extra_config({**base, "disk_load_hold_requests": bad})
     assert O.parse_extra_config(base).disk_load_hold_requests == 1
+    assert O.parse_extra_config({**base, "disk_load_hold_requests": 2}
+                                ).disk_load_hold_requests == 2
     for bad in (-1, 1025, "16", True, 1.5, None):
         with pytest.raises(ConfigError, match="'preload_protect_requests'.*0..1024"):
             O.parse_extra_config({**base, "preload_protect_requests": bad})
     assert O.parse_extra_config(base).preload_protect_requests == 0
     assert O.parse_extra_config({**base, "preload_protect_requests": 16}
                                 ).preload_protect_requests == 16
-    assert O.parse_extra_config({**base, "disk_load_hold_requests": 2}
-                                ).disk_load_hold_requests == 2
     assert O.parse_extra_config({**base, "breakeven_table": "t.json",
                                  "queue_aware_preload": True}).queue_aware_preload
     for bad in (-1, "4k", True, 1.5):
