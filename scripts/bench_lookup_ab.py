@@ -41,8 +41,10 @@ TINY = {
     "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
 
-def run_once(tree: str, work: str, name: str, args: argparse.Namespace) -> dict:
-    """One longdoc run of ``tree``'s code; returns its result row (or an error)."""
+def run_once(tree: str, work: str, name: str, args: argparse.Namespace,
+             arm_extra: list[str] | None = None) -> dict:
+    """One longdoc run of ``tree``'s code (``--kv-extra`` plus ``arm_extra``); returns its
+    result row (or an error)."""
     model = os.path.join(work, "tiny")
     os.makedirs(model, exist_ok=True)
     with open(os.path.join(model, "config.json"), "w") as f:
@@ -59,7 +61,7 @@ def run_once(tree: str, work: str, name: str, args: argparse.Namespace) -> dict:
            "--tokens", str(args.tokens), "--docs", "8", "--repeats", "7",
            "--concurrency", "50", "--gpu-blocks", str(args.gpu_blocks),
            "--configs", args.config]
-    for kv in args.kv_extra:
+    for kv in [*args.kv_extra, *(arm_extra or [])]:
         cmd += ["--kv-extra", kv]
     t0 = time.monotonic()
     p = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True,
@@ -88,8 +90,14 @@ def main() -> int:
     ap.add_argument("--config", default="kvcache_preload")
     ap.add_argument("--kv-extra", action="append", default=[],
                     help="KEY=JSON added to py-kvcache's config in both arms")
+    ap.add_argument("--before-extra", action="append", default=[],
+                    help="KEY=JSON added to the 'before' arm only (with --before HEAD: an "
+                    "A/B of two settings of the same code)")
+    ap.add_argument("--after-extra", action="append", default=[],
+                    help="KEY=JSON added to the 'after' arm only")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
+    extra = {"before": args.before_extra, "after": args.after_extra}
     work = tempfile.mkdtemp(prefix="lookup-ab-")
     wt = os.path.join(work, "before")
     subprocess.run(["git", "worktree", "add", "--detach", wt, args.before], cwd=REPO,
@@ -103,7 +111,7 @@ def main() -> int:
             if rnd % 2:
                 order.reverse()
             for arm, tree in order:
-                r = run_once(tree, work, f"{arm}-{rnd}", args)
+                r = run_once(tree, work, f"{arm}-{rnd}", args, extra[arm])
                 r.update(arm=arm, round=rnd)
                 runs.append(r)
                 print(f"[lookup-ab] round {rnd + 1}/{args.rounds} {arm}: "
@@ -130,14 +138,18 @@ def main() -> int:
     lines = [f"# Scheduler lookups, before ({args.before}) vs after ({head})", "",
              f"CPU, fifty clients, 8 documents x 7 requests of {args.tokens} tokens, "
              f"config `{args.config}` {' '.join(args.kv_extra)}; medians of "
-             f"{args.rounds} interleaved rounds.", "",
+             f"{args.rounds} interleaved rounds."
+             + "".join(f" `{a}` adds {' '.join(x)}." for a, x in extra.items() if x), "",
              "| arm | n | mean TTFT (s) | p90 (s) | wall (s) | lookups | lookup s | "
              "longest lookup ms | skipped | retry | file checks | check s | disk read (MB) | "
-             "held | held-joined | yielded |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "x distinct | held | held-joined | yielded |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    # the 8 documents' KV once: bf16 K and V of every layer and KV head per token
+    distinct = 8 * args.tokens * (TINY["num_hidden_layers"] * 2 * TINY["num_key_value_heads"]
+                                  * TINY["head_dim"] * 2)
     for arm, m in summary.items():
         if not m["n"]:
-            lines.append(f"| {arm} | 0 |" + " - |" * 14)
+            lines.append(f"| {arm} | 0 |" + " - |" * 15)
             continue
         lines.append(
             f"| {arm} | {m['n']} | {m['mean_ttft_s']:.3f} | {m['p90_ttft_s']:.3f} | "
@@ -145,6 +157,7 @@ def main() -> int:
             f"{m['lookup_max_us'] / 1e3:.0f} | {m['lookups_skipped']:.0f} | "
             f"{m['lookups_retry']:.0f} | {m['disk_checks']:.0f} | "
             f"{m['disk_check_us'] / 1e6:.2f} | {m['disk_read_bytes'] / 1e6:.0f} | "
+            f"{m['disk_read_bytes'] / distinct:.2f} | "
             f"{m['loads_held']:.0f} | {m['loads_hold_joined']:.0f} | "
             f"{m['lookups_yielded']:.0f} |")
     with open(args.json[:-5] + ".md", "w") as f:
