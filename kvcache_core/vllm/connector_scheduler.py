@@ -209,7 +209,8 @@ class SchedulerSide:
         self.group_configs: tuple[GroupOffloadConfig, ...] = cs.config.kv_group_configs
         #: k of the patched scheduler's ``on_preload_candidates`` (read every step
         #: through the connector's ``preload_lookahead``); 0 disables preload; with
-        #: ``preload_protect_requests`` above ``preload_lookahead``, that many
+        #: ``preload_protect_requests`` above ``preload_lookahead``, that many (the
+        #: protected view; see ``_plan_k``)
         self.preload_lookahead: int = opts.preload_lookahead
         #: how many of the offered requests preloads are planned for (the configured
         #: ``preload_lookahead``; the offer may be wider for ``preload_protect_requests``)
