@@ -109,11 +109,12 @@ case "$STEP" in
     # 40k-token documents; the GPU KV cache capped at 4 such requests so the rest queue
     # (a loaded server); 2 docs x 6 hits + 25% requests with no reusable prefix, all 16
     # submitted at once.
-    # CONFIGS narrows a call.
+    # CONFIGS narrows a call; VARIANTS as for preload50 (an A/B of a key in one call).
+    VA=(); for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
     "${B[@]}" --json "$RES/preload-run-$M$SFX.json" --tokens 40960 --docs 2 --repeats 6 \
       --fresh-frac 0.25 --concurrency 16 --gpu-blocks 10496 --workload mixed \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
-      --preload-json "$RES/preload-$M$SFX.json" ;;
+      --preload-json "$RES/preload-$M$SFX.json" "${VA[@]}" ;;
   preload50)
     # issue 4 item 5 as written: the long-document workload with 50 concurrent clients,
     # disk-only, preload on vs off vs native_fs; D from $TOKENS (one size per call fits
@@ -136,11 +137,12 @@ case "$STEP" in
       --preload-json "$RES/preload-$M$SFX.json" "${VA[@]}" ;;
   mixed)
     # issue 4 item 5: 50 requests of 64k tokens, half reuse a cached prefix (5 docs x 5),
-    # at most 8 in flight
+    # at most 8 in flight; CONFIGS and VARIANTS as for preload
+    VA=(); for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
     "${B[@]}" --json "$RES/mixed-run-$M$SFX.json" --tokens 65536 --docs 5 --repeats 5 \
       --fresh-frac 0.5 --concurrency 8 --workload mixed \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
-      --preload-json "$RES/preload-$M$SFX.json" ;;
+      --preload-json "$RES/preload-$M$SFX.json" "${VA[@]}" ;;
   queue)
     # issue 5 item 4: the preload workload with the disk tier gated (table of the gate
     # step, else the committed one): queue-aware preload on vs off, recompute beside

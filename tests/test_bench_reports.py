@@ -851,13 +851,15 @@ def test_mixed_preload_workload_counts_tree_reads_cpu(tmp_path):
     tiny Llama): the load phase's row carries the engine process tree's disk reads and
     the page cache growth, measured the same way for every configuration (so native_fs's
     buffered reads can be compared with py-kvcache's O_DIRECT ones), and the row names
-    the extra config keys given with ``--kv-extra``."""
+    the extra config keys given with ``--kv-extra`` and with a ``--variant`` (run under
+    the variant's name, its base kept in both result files)."""
     pytest.importorskip("vllm")
     p, out, pre = _longdoc_cpu(
         tmp_path, "mixed", "--workload", "mixed", "--tokens", "1024", "--docs", "2",
         "--repeats", "3", "--fresh-frac", "0.25", "--concurrency", "4",
-        "--gpu-blocks", "160", "--configs", "kvcache_nopreload",
-        "--kv-extra", "eviction_policy=arc", "--kv-extra", "writeback_max_fraction=1.0")
+        "--gpu-blocks", "160", "--configs", "kvcache_nopreload_wb",
+        "--variant", "kvcache_nopreload_wb=kvcache_nopreload:writeback_max_fraction=1.0",
+        "--kv-extra", "eviction_policy=arc")
     assert p.returncode == 0, p.stderr[-4000:]
     (r,) = json.load(open(out))["results"]
     assert "error" not in r, r
@@ -879,11 +881,14 @@ def test_mixed_preload_workload_counts_tree_reads_cpu(tmp_path):
     assert row["disk_reads_repeat"] == r["disk_reads_repeat"]
     assert "repeat reads" in open(pre[:-5] + ".md").read()
     assert r["kv_extra"] == {"eviction_policy": "arc", "writeback_max_fraction": 1.0}
+    assert r["config"] == row["config"] == "kvcache_nopreload_wb"
+    assert r["base"] == row["base"] == "kvcache_nopreload"
+    assert row["kv_extra"] == r["kv_extra"]
     # the load phase's process was spawned while the store phase ran, and the store
     # phase measured only once that process had finished importing vLLM
-    assert "kvcache_nopreload/load: engine process spawned ahead" in p.stderr
+    assert "kvcache_nopreload_wb/load: engine process spawned ahead" in p.stderr
     assert "imports done" in p.stderr, p.stderr[-3000:]
-    assert "kvcache_nopreload/store: waited" in p.stderr
+    assert "kvcache_nopreload_wb/store: waited" in p.stderr
 
 
 def test_h200_call_stops_a_step_past_its_time_and_leaves_nothing(tmp_path):

@@ -59,11 +59,12 @@ series; ``disk_read_bytes`` is the tree's read_bytes over the turns (``cache_byt
 py-kvcache's own counter); the table and PNG next to ``--json`` show TTFT per turn, host
 memory and disk read throughput over time (``kvcache_core/bench/scbench.py``).
 
-Rounds and variants (``--workload longdoc``): ``--rounds N`` runs the configuration list N
+Rounds and variants: ``--rounds N`` (``--workload longdoc``) runs the configuration list N
 times, the order reversed every other round; each row then holds the medians over the
-rounds and ``round_results`` every round's rows. ``--variant NAME=BASE:KEY=JSON`` adds a
-py-kvcache configuration with extra config keys under its own name (an A/B of one key in
-one run). Sizes below 16k tokens take ``--small-docs`` documents (default 8).
+rounds and ``round_results`` every round's rows. ``--variant NAME=BASE:KEY=JSON``
+(``--workload longdoc`` or ``mixed``) adds a py-kvcache configuration with extra config
+keys under its own name (an A/B of one key in one run). Sizes below 16k tokens take
+``--small-docs`` documents (default 8).
 
 Engine processes: the driver spawns the next one while the current one runs, so its
 vLLM import overlaps; it creates its engine only once the previous one is gone, and the
@@ -181,6 +182,12 @@ def _variant(text: str) -> tuple[str, str, list[tuple[str, Any]]]:
             "kvcache_dram_dma=kvcache_dram:dram_load_copy=\"dma\", "
             "recompute_hnd=recompute:env.VLLM_KV_CACHE_LAYOUT=\"HND\")")
     return name, base, kvs
+
+
+def _who(args) -> str:
+    """The configuration a worker's log lines name: a ``--variant``'s own name, else the
+    built-in configuration."""
+    return args.name or args.config
 
 
 def variant_keys(args, name: str) -> list[tuple[str, Any]]:
@@ -311,7 +318,7 @@ async def _drain_writes(engine, args, rid: str) -> tuple[float, int]:
                        or left):
             return time.perf_counter() - t0, 0
         if time.perf_counter() - t0 >= args.store_drain:
-            log(f"{args.config}/store: write-back not drained after {args.store_drain:.0f}s "
+            log(f"{_who(args)}/store: write-back not drained after {args.store_drain:.0f}s "
                 f"({left} blocks without a file)")
             return time.perf_counter() - t0, int(left)
         await asyncio.sleep(0.25)
@@ -357,7 +364,7 @@ async def _worker(args) -> dict:
                          num_gpu_blocks_override=args.gpu_blocks or None)
     t0 = time.perf_counter()
     engine = AsyncLLM.from_engine_args(ea)
-    log(f"{args.config}/{args.phase}: engine up in {time.perf_counter() - t0:.1f}s")
+    log(f"{_who(args)}/{args.phase}: engine up in {time.perf_counter() - t0:.1f}s")
     out: dict = {"config": args.config, "phase": args.phase, "rows": []}
     rng = random.Random(7)
     try:
@@ -371,7 +378,7 @@ async def _worker(args) -> dict:
                 row.update(await _scbench_turns(engine, args, d, docs))
                 await _sampled(args, len(out["rows"]) + 1)
                 out["rows"].append(row)
-                log(f"{args.config} scbench D={d}: mean TTFT "
+                log(f"{_who(args)} scbench D={d}: mean TTFT "
                     f"{statistics.fmean(row['ttft_all']):.3f}s over {len(row['ttft_all'])} "
                     "turns")
                 continue
@@ -414,7 +421,7 @@ async def _worker(args) -> dict:
                 row["hit_docs"] = order
                 await _sampled(args, len(out["rows"]) + 1)
             out["rows"].append(row)
-            log(f"{args.config}/{args.phase} D={d}: " + ", ".join(
+            log(f"{_who(args)}/{args.phase} D={d}: " + ", ".join(
                 f"{k}={statistics.median(v):.3f}s" for k, v in row.items()
                 if k.endswith("_all")))
     finally:
@@ -432,7 +439,7 @@ async def _sampled(args, seq: int) -> None:
         return
     if not await SC.await_sample(args.out_part, seq,
                                  timeout=max(30.0, 20 * args.sample_interval)):
-        log(f"{args.config}/{args.phase}: no process-tree sample after the last request; "
+        log(f"{_who(args)}/{args.phase}: no process-tree sample after the last request; "
             "the disk-read window ends at the last sample")
 
 
@@ -671,7 +678,7 @@ async def _await_measure(args) -> None:
         if os.getppid() != parent:
             raise SystemExit("longdoc worker: the driver is gone")
         await asyncio.sleep(0.05)
-    log(f"{args.config}/{args.phase}: waited {time.perf_counter() - t0:.1f}s for the next "
+    log(f"{_who(args)}/{args.phase}: waited {time.perf_counter() - t0:.1f}s for the next "
         "engine process's imports")
 
 
@@ -867,7 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a py-kvcache configuration BASE with extra config keys, run as "
                          "its own configuration NAME (list it in --configs), e.g. "
                          "kvcache_dram_dma=kvcache_dram:dram_load_copy=\"dma\"; "
-                         "--workload longdoc only")
+                         "--workload longdoc or mixed")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the --configs list this many times, the order reversed every "
                          "other round (A B C, C B A, ...), each configuration in new engine "
@@ -1042,8 +1049,10 @@ def _drive(args) -> int:
     if bad:
         raise SystemExit(f"unknown config(s) {bad}; choose from {ALL_CONFIGS} or a "
                          "--variant name")
-    if (args.variant or args.rounds != 1) and args.workload != "longdoc":
-        raise SystemExit("--variant and --rounds are for --workload longdoc only")
+    if args.variant and args.workload not in ("longdoc", "mixed"):
+        raise SystemExit("--variant is for --workload longdoc or mixed only")
+    if args.rounds != 1 and args.workload != "longdoc":
+        raise SystemExit("--rounds is for --workload longdoc only")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     prior: list[dict] = []  # --rounds: the rows of the (config, round)s already measured
