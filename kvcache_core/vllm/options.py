@@ -174,7 +174,7 @@ GLUE_KEY_HELP: dict[str, str] = {
     "longer names the key): they are recomputed. Counters hits_promoting, "
     "loads_join_promotion. New in the thirty-fifth session, CPU-tested, not yet measured "
     "on a GPU.",
-    "disk_load_hold_s": "Seconds (0 = off, the default; at most 3600). A waiting request "
+    "disk_load_hold_s": "Seconds (default 30; 0 = off; at most 3600). A waiting request "
     "whose reusable prefix must be read from disk, and that the break-even gate (if any) "
     "lets load, waits while another request's disk load is in flight, for at most this "
     "long from its first wait; it keeps its place in vLLM's queue, and requests behind "
@@ -186,15 +186,16 @@ GLUE_KEY_HELP: dict[str, str] = {
     "right now does not wait: it joins those reads (held, it would read them again "
     "afterwards). Needs nothing from the patch series. Counters loads_held (requests "
     "that waited), loads_hold_joined (requests that joined reads in flight instead), "
-    "loads_hold_expired (waits cut by the limit). Off by default. With 30 on an H100 "
-    "(thirty-eighth to forty-first sessions, preload on) py-kvcache was at or below "
-    "native tiered FS on every workload measured: fifty clients over 8 documents 0.88x "
-    "at 10k, 0.54x at 40k, 0.49x at 64k; the queued mixed 16 x 40k 0.58x (the same as "
-    "the defaults: it held one request); the mixed 50 x 64k at concurrency 8 0.58x "
-    "(the defaults 0.56x, 11 % more bytes read). Against the defaults it costs 1.22x at "
-    "10k with fifty clients (every request fits the GPU at once and the defaults join "
-    "all reads) and wins at 40k (the defaults 1.09x native FS, older code). Set 30 for "
-    "many clients over a few long documents that queue for the GPU.",
+    "loads_hold_expired (waits cut by the limit). On (30) by default since the "
+    "forty-first session: on an H100 (thirty-eighth to forty-first sessions, preload on) "
+    "py-kvcache with 30 was at or below native tiered FS on every workload measured: "
+    "fifty clients over 8 documents 0.88x at 10k, 0.54x at 40k, 0.49x at 64k; the queued "
+    "mixed 16 x 40k 0.58x (as with 0: it held one request); the mixed 50 x 64k at "
+    "concurrency 8 0.58x (0.56x with 0, which read 11 % more). With 0 the fifty clients "
+    "were 1.09x native tiered FS at 40k (thirty-sixth session). Against 0 it costs 1.22x "
+    "at 10k with fifty clients (every request fits the GPU at once and without the hold "
+    "all reads join) and 1.04x on the mixed 50 x 64k. Set 0 for short documents that all "
+    "fit the GPU at once; a server with one request at a time never holds.",
     "disk_load_hold_when": "Which waits disk_load_hold_s (> 0) makes: 'loading' (default) "
     "= whenever another request's disk load is in flight (above); 'no_slot' = only when, "
     "besides, the DRAM tier cannot take the request's disk chunks now (fewer acquirable "
@@ -295,7 +296,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
     "disk_lookup_async": "`off`",
     "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`", "preload_protect": "`auto`",
-    "disk_load_hold_s": "0", "disk_load_hold_when": "`loading`",
+    "disk_load_hold_s": "30", "disk_load_hold_when": "`loading`",
     "disk_load_hold_requests": "1",
     "disk_backlog_gate": "false", "gate_balance": "false", "join_promotions": "false",
     "disk_warm_start": "true", "preload_protect_requests": "0",
@@ -355,7 +356,7 @@ class VllmOptions:
     #: "cross_layer" (vLLM's layout for an offloading connector) or "per_layer"
     gpu_kv_layout: str = CROSS_LAYER
     #: seconds a disk-loading request waits behind another request's disk load (0: off)
-    disk_load_hold_s: float = 0.0
+    disk_load_hold_s: float = 30.0
     #: which waits ``disk_load_hold_s`` makes (:data:`HOLD_WHEN`)
     disk_load_hold_when: str = "loading"
     #: other requests' disk loads in flight that make a disk-loading request wait
@@ -458,7 +459,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
           la)
     dls = ex.get("dram_load_sync", True)
     _need(isinstance(dls, bool), "dram_load_sync", "must be true or false", dls)
-    hold = ex.get("disk_load_hold_s", 0)
+    hold = ex.get("disk_load_hold_s", 30)
     _need(isinstance(hold, (int, float)) and not isinstance(hold, bool)
           and 0 <= hold <= 3600 and hold == hold,
           "disk_load_hold_s", "must be a number of seconds in 0..3600", hold)

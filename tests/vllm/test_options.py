@@ -57,8 +57,10 @@ def test_parse_extra_config_errors_name_the_key():
     for bad in (-1, 3601, "30", True, float("nan"), None):
         with pytest.raises(ConfigError, match="'disk_load_hold_s'.*0..3600"):
             O.parse_extra_config({**base, "disk_load_hold_s": bad})
-    assert O.parse_extra_config(base).disk_load_hold_s == 0.0
-    assert O.parse_extra_config({**base, "disk_load_hold_s": 30}).disk_load_hold_s == 30.0
+    # on by default (30 s) since the forty-first session; 0 turns it off
+    assert O.parse_extra_config(base).disk_load_hold_s == 30.0
+    assert O.parse_extra_config({**base, "disk_load_hold_s": 0}).disk_load_hold_s == 0.0
+    assert O.parse_extra_config({**base, "disk_load_hold_s": 5}).disk_load_hold_s == 5.0
     for bad in (True, "yes", None, 1):
         with pytest.raises(ConfigError, match="'disk_lookup_async'.*'auto', 'on' or 'off'"):
             O.parse_extra_config({**base, "disk_lookup_async": bad})
