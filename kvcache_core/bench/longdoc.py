@@ -186,8 +186,8 @@ def _variant(text: str) -> tuple[str, str, list[tuple[str, Any]]]:
 
 def _who(args) -> str:
     """The configuration a worker's log lines name: a ``--variant``'s own name, else the
-    built-in configuration."""
-    return args.name or args.config
+    built-in configuration (``args`` without ``name``: the built-in one)."""
+    return getattr(args, "name", "") or args.config
 
 
 def variant_keys(args, name: str) -> list[tuple[str, Any]]:
