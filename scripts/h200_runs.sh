@@ -62,6 +62,9 @@ B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$RO
    --machine "$MACHINE" --append --resume --timeout 420)
 KVX=()  # the same keys for the server-based steps (sharegpt, replay)
 for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); KVX+=(--kv-extra "$kv"); done
+# VARIANTS="NAME=BASE:KEY=JSON ..." (steps preload, preload50, mixed): py-kvcache
+# configurations with extra keys, each its own --variant (list NAME in CONFIGS)
+VA=(); for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
 if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
 # TRACE=1: keep every engine's reactor event trace and request times under
 # $RES/trace-$STEP[-$TOKENS]$SUFFIX (read them with `scripts/trace_report.py DIR --loads`: per load
@@ -110,7 +113,6 @@ case "$STEP" in
     # (a loaded server); 2 docs x 6 hits + 25% requests with no reusable prefix, all 16
     # submitted at once.
     # CONFIGS narrows a call; VARIANTS as for preload50 (an A/B of a key in one call).
-    VA=(); for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
     "${B[@]}" --json "$RES/preload-run-$M$SFX.json" --tokens 40960 --docs 2 --repeats 6 \
       --fresh-frac 0.25 --concurrency 16 --gpu-blocks 10496 --workload mixed \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
@@ -129,7 +131,6 @@ case "$STEP" in
     if [ "$TOKENS" -gt 40960 ]; then DOCS=4; REP=13; else DOCS=8; REP=7; fi
     # ROUNDS=N: the configuration list N times, order reversed every other round, each
     # row the median over rounds (the disk's speed moves from call to call and within one)
-    VA=(); for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
     [ -n "${ROUNDS:-}" ] && VA+=(--rounds "$ROUNDS")
     "${B[@]}" --json "$RES/preload50-run-$M-$TOKENS$SFX.json" --tokens "$TOKENS" \
       --docs $DOCS --repeats $REP --concurrency 50 --workload longdoc --sample-interval 0.25 \
@@ -138,7 +139,6 @@ case "$STEP" in
   mixed)
     # issue 4 item 5: 50 requests of 64k tokens, half reuse a cached prefix (5 docs x 5),
     # at most 8 in flight; CONFIGS and VARIANTS as for preload
-    VA=(); for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
     "${B[@]}" --json "$RES/mixed-run-$M$SFX.json" --tokens 65536 --docs 5 --repeats 5 \
       --fresh-frac 0.5 --concurrency 8 --workload mixed \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
