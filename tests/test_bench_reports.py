@@ -1197,3 +1197,55 @@ def test_sim_admission_ideal_tier_reads_each_document_once_and_the_cap_saves_byt
     cap = S.simulate(S.S36_ORDER, "pyk-serial-2", disk_bps=1.76e9)
     assert cap["bytes_read_gb"] < 0.8 * base["bytes_read_gb"], (cap, base)
     assert cap["mean_ttft_s"] < 0.9 * base["mean_ttft_s"], (cap, base)
+
+
+def test_preload_session_rows_ratios_stay_within_a_call(tmp_path):
+    """``scripts/preload_session_rows.py``: native_fs ratios and preload on/off ratios
+    come from the same call only (a call without native_fs gives none), the workload
+    follows the file name unless overridden, a failed row keeps its error, and a file
+    whose name names no workload is a clear error, not a traceback."""
+    def run_file(name, rows):
+        p = tmp_path / name
+        p.write_text(json.dumps({"machine": "m", "model": "x", "results": rows}))
+        return str(p)
+
+    def row(config, mean, reuse=None, noreuse=None, **kw):
+        return {"config": config, "tokens": 100, "concurrency": 4, "mean_ttft_s": mean,
+                "mean_ttft_reuse_s": reuse, "mean_ttft_noreuse_s": noreuse,
+                "kv_bytes": 10, "docs": 3, "disk_read_bytes": 45, **kw}
+    a = run_file("preload50-run-x-100-c1.json", [
+        row("kvcache_preload", 6.0, scheduler_stats={"loads_held": 2, "other": 1}),
+        row("kvcache_preload_nohold", 9.0, base="kvcache_preload",
+            kv_extra={"disk_load_hold_s": 0}),
+        row("native_fs", 10.0), {"config": "kvcache_nopreload", "error": "timeout"}])
+    b = run_file("preload-run-x-c2.json", [
+        row("kvcache_nopreload", 8.0, 10.0, 2.0), row("kvcache_preload", 5.0, 5.0, 2.1)])
+    c = run_file("whatever.json", [row("kvcache_preload", 1.0)])
+    out = tmp_path / "s.json"
+    script = os.path.join(REPO, "scripts", "preload_session_rows.py")
+    p = subprocess.run([sys.executable, script, "--out", str(out), "--card", "h100",
+                        f"c1={a}", f"c2={b}", f"c3={c}@scbench"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    rows = {(r["call"], r["arm"]): r for r in doc["results"]}
+    assert doc["card"] == "h100" and doc["model"] == "x"
+    pre = rows[("c1", "kvcache_preload")]
+    assert pre["workload"] == "longdoc" and pre["variant"] == "defaults"
+    assert pre["vs_native_fs_same_call"] == pytest.approx(0.6)
+    assert pre["scheduler"] == {"loads_held": 2} and pre["distinct_kv_bytes"] == 30
+    nohold = rows[("c1", "kvcache_preload_nohold")]
+    assert nohold["config"] == "kvcache_preload" and nohold["variant"] == "disk_load_hold_s=0"
+    assert nohold["vs_native_fs_same_call"] == pytest.approx(0.9)
+    assert rows[("c1", "kvcache_nopreload")] == {"call": "c1", "arm": "kvcache_nopreload",
+                                                 "error": "timeout"}
+    on = rows[("c2", "kvcache_preload")]
+    assert on["workload"] == "mixed" and "vs_native_fs_same_call" not in on
+    assert on["reuse_off_on"] == pytest.approx(2.0)
+    assert on["noreuse_on_off"] == pytest.approx(1.05)
+    assert "reuse_off_on" not in rows[("c1", "kvcache_preload")]  # c1's nopreload failed
+    assert rows[("c3", "kvcache_preload")]["workload"] == "scbench"
+    p = subprocess.run([sys.executable, script, "--out", str(out), "--card", "h100",
+                        f"c1={c}"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "cannot tell the workload" in p.stderr
+    assert "Traceback" not in p.stderr
