@@ -18,7 +18,9 @@ Every row keeps the issue's schema fields (workload, config, tokens, concurrency
 TTFTs, disk bytes read, peak staging and its budget), plus ``call``, ``arm`` (the
 configuration name as run, e.g. a ``--variant`` name), ``variant`` (its ``kv_extra`` as
 ``key=value`` words, ``defaults`` without), ``distinct_kv_bytes`` (one document's KV x
-documents) and a subset of the scheduler's counters. A row that failed keeps only
+documents), a subset of the scheduler's counters and, where the run file lists each
+request's document (``hit_docs``, negative = nothing to reuse), ``noreuse_by_position``:
+``[submission position, TTFT]`` of each request with nothing to reuse. A row that failed keeps only
 ``call``, ``arm`` and ``error``. Prints one line per row.
 
 Usage: python scripts/preload_session_rows.py --out preload-<model>-sNN-<card>.json
@@ -74,6 +76,12 @@ def call_rows(call: str, doc: dict, workload: str) -> list[dict]:
                "variant": "-" if config == "native_fs" else _variant(r.get("kv_extra")),
                **{k: r.get(k) for k in ROW_KEYS},
                "distinct_kv_bytes": r["kv_bytes"] * r["docs"]}
+        hd, tt = r.get("hit_docs"), r.get("ttft_hit_all")
+        if hd and tt and len(hd) == len(tt) and any(h < 0 for h in hd):
+            # the requests with nothing to reuse, by submission position: which of them
+            # a configuration moved (the mixed workload's fresh requests are negative)
+            row["noreuse_by_position"] = [
+                [i, t] for i, (t, h) in enumerate(zip(tt, hd, strict=True)) if h < 0]
         ss = r.get("scheduler_stats") or {}
         if ss:
             row["scheduler"] = {k: ss[k] for k in SCHED_KEYS if k in ss}

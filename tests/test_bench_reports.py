@@ -1219,7 +1219,9 @@ def test_preload_session_rows_ratios_stay_within_a_call(tmp_path):
             kv_extra={"disk_load_hold_s": 0}),
         row("native_fs", 10.0), {"config": "kvcache_nopreload", "error": "timeout"}])
     b = run_file("preload-run-x-c2.json", [
-        row("kvcache_nopreload", 8.0, 10.0, 2.0), row("kvcache_preload", 5.0, 5.0, 2.1)])
+        row("kvcache_nopreload", 8.0, 10.0, 2.0, hit_docs=[-1, 0, -2],
+            ttft_hit_all=[1.0, 9.0, 3.0]),
+        row("kvcache_preload", 5.0, 5.0, 2.1)])
     c = run_file("whatever.json", [row("kvcache_preload", 1.0)])
     out = tmp_path / "s.json"
     script = os.path.join(REPO, "scripts", "preload_session_rows.py")
@@ -1243,6 +1245,8 @@ def test_preload_session_rows_ratios_stay_within_a_call(tmp_path):
     assert on["workload"] == "mixed" and "vs_native_fs_same_call" not in on
     assert on["reuse_off_on"] == pytest.approx(2.0)
     assert on["noreuse_on_off"] == pytest.approx(1.05)
+    assert rows[("c2", "kvcache_nopreload")]["noreuse_by_position"] == [[0, 1.0], [2, 3.0]]
+    assert "noreuse_by_position" not in on  # its run row lists no documents
     assert "reuse_off_on" not in rows[("c1", "kvcache_preload")]  # c1's nopreload failed
     assert rows[("c3", "kvcache_preload")]["workload"] == "scbench"
     p = subprocess.run([sys.executable, script, "--out", str(out), "--card", "h100",
