@@ -195,7 +195,10 @@ GLUE_KEY_HELP: dict[str, str] = {
     "at 40k were 0.83x native tiered FS in the same call (forty-second session: 30 was "
     "1.38x faster and read 55 % of the bytes). Against 0 it costs 1.22x "
     "at 10k with fifty clients (every request fits the GPU at once and without the hold "
-    "all reads join) and 1.04x on the mixed 50 x 64k. Set 0 for short documents that all "
+    "all reads join), 1.04x on the mixed 50 x 64k, and with preload 1.04-1.05x for the "
+    "queued mixed 16 x 40k's requests with nothing to reuse (forty-first session: the "
+    "reusing requests ahead of them in the queue are served sooner, so the last fresh "
+    "one no longer overtakes them). Set 0 for short documents that all "
     "fit the GPU at once; a server with one request at a time never holds.",
     "disk_load_hold_when": "Which waits disk_load_hold_s (> 0) makes: 'loading' (default) "
     "= whenever another request's disk load is in flight (above); 'no_slot' = only when, "
