@@ -1202,7 +1202,8 @@ def test_sim_admission_ideal_tier_reads_each_document_once_and_the_cap_saves_byt
 def test_preload_session_rows_ratios_stay_within_a_call(tmp_path):
     """``scripts/preload_session_rows.py``: native_fs ratios and preload on/off ratios
     come from the same call only (a call without native_fs gives none), the workload
-    follows the file name unless overridden, a failed row keeps its error, and a file
+    follows the file name unless overridden, a failed row keeps its error, the summary
+    (JSON and ``--md``) gives medians over calls of within-call ratios, and a file
     whose name names no workload is a clear error, not a traceback."""
     def run_file(name, rows):
         p = tmp_path / name
@@ -1223,13 +1224,43 @@ def test_preload_session_rows_ratios_stay_within_a_call(tmp_path):
             ttft_hit_all=[1.0, 9.0, 3.0]),
         row("kvcache_preload", 5.0, 5.0, 2.1)])
     c = run_file("whatever.json", [row("kvcache_preload", 1.0)])
-    out = tmp_path / "s.json"
+    d = run_file("preload-run-x-c4.json", [
+        row("kvcache_nopreload", 9.0, 12.0, 2.5, hit_docs=[-1, 0, -2],
+            ttft_hit_all=[2.0, 9.0, 5.0]),
+        row("kvcache_preload", 4.0, 4.0, 2.75, hit_docs=[-1, 0, -2],
+            ttft_hit_all=[1.0, 4.0, 4.5])])
+    e = run_file("scbench-run-x-c5.json", [row("kvcache_preload", 2.0, disk_read_bytes=4),
+                                            row("native_fs", 2.5, disk_read_bytes=40)])
+    out, md = tmp_path / "s.json", tmp_path / "s.md"
     script = os.path.join(REPO, "scripts", "preload_session_rows.py")
     p = subprocess.run([sys.executable, script, "--out", str(out), "--card", "h100",
-                        f"c1={a}", f"c2={b}", f"c3={c}@scbench"],
+                        "--md", str(md), f"c1={a}", f"c2={b}", f"c3={c}@scbench",
+                        f"c4={d}", f"c5={e}"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
+    # medians over calls of within-call ratios, never ratios of medians
+    summ = {(s["workload"], s["arm"]): s for s in doc["summary"]}
+    on = summ[("mixed", "kvcache_preload")]
+    assert on["calls"] == ["c2", "c4"] and on["mean_ttft_s"] == pytest.approx(4.5)
+    assert on["reuse_off_on"]["n"] == 2
+    assert on["reuse_off_on"]["median"] == pytest.approx((2.0 + 3.0) / 2)
+    assert on["noreuse_on_off"]["median"] == pytest.approx((1.05 + 1.1) / 2)
+    assert on["noreuse_on_off"]["min"] == pytest.approx(1.05)
+    assert on["noreuse_by_position"] == [[0, 1.0], [2, 4.5]]  # c2's row lists none
+    assert summ[("mixed", "kvcache_nopreload")]["noreuse_by_position"] == [[0, 1.5],
+                                                                           [2, 4.0]]
+    sc = summ[("scbench", "kvcache_preload")]
+    assert sc["disk_read_vs_native_fs_same_call"]["median"] == pytest.approx(0.1)
+    assert sc["calls"] == ["c3", "c5"]  # c3's 1.0 s has no native_fs beside it
+    assert sc["vs_native_fs_same_call"] == {"median": pytest.approx(0.8), "n": 1,
+                                            "min": pytest.approx(0.8),
+                                            "max": pytest.approx(0.8)}
+    assert summ[("longdoc", "kvcache_preload_nohold")]["vs_defaults_same_call"][
+        "median"] == pytest.approx(1.5)
+    text = md.read_text()
+    assert "| mixed | 100 | kvcache_preload | c2,c4 | 4.500 |" in text
+    assert "1.075 (2; 1.050-1.100)" in text
     rows = {(r["call"], r["arm"]): r for r in doc["results"]}
     assert doc["card"] == "h100" and doc["model"] == "x"
     pre = rows[("c1", "kvcache_preload")]
@@ -1239,6 +1270,10 @@ def test_preload_session_rows_ratios_stay_within_a_call(tmp_path):
     nohold = rows[("c1", "kvcache_preload_nohold")]
     assert nohold["config"] == "kvcache_preload" and nohold["variant"] == "disk_load_hold_s=0"
     assert nohold["vs_native_fs_same_call"] == pytest.approx(0.9)
+    assert nohold["vs_defaults_same_call"] == pytest.approx(1.5)
+    assert "vs_defaults_same_call" not in pre
+    # bytes against native_fs's of the same call where native_fs counted any (45 each here)
+    assert pre["disk_read_vs_native_fs_same_call"] == pytest.approx(1.0)
     assert rows[("c1", "kvcache_nopreload")] == {"call": "c1", "arm": "kvcache_nopreload",
                                                  "error": "timeout"}
     on = rows[("c2", "kvcache_preload")]
