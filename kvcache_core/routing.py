@@ -87,9 +87,10 @@ class LoadRouting:
                 self.stats.preload_claimed += 1
             else:
                 self.stats.loads_dram += 1
-        if t.ext:  # the caller wants the block in its own slot (its DRAM tier): copy it over
-            n = HEADER_BYTES + held
-            self.pool.views[t.slot][:n] = self.pool.views[slot][:n]
+        if t.ext:  # the caller wants the block in its own slot (its DRAM tier): copy it
+            # over with the GIL released (a promotion claiming a preload or a shared read:
+            # a whole block, ~5 ms of memcpy that vLLM's engine thread would wait out)
+            self.pool.copy_slot(t.slot, slot, HEADER_BYTES + held)
             self.alloc.unpin(slot)
         else:
             t.slot, t.cached = slot, True

@@ -19,6 +19,7 @@ high-water mark that benchmarks report.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 from collections import OrderedDict
@@ -341,7 +342,7 @@ class StagingPool:
     (page-locked, so host<->device copies are DMA), ``True`` requires it, ``False`` never.
     ``views[i]`` is a memoryview of slot ``i``; ``tensor(i)`` a torch uint8 view (lazy,
     built once). Both alias the same bytes; their owner is whoever owns the slot in the
-    allocator.
+    allocator. :meth:`copy_slot` copies between slots without holding the GIL.
     """
 
     def __init__(self, n_slots: int, slot_bytes: int, pin: bool | str = "auto") -> None:
@@ -354,6 +355,10 @@ class StagingPool:
         self._mm = mmap.mmap(-1, self.nbytes, flags=flags)
         self._mv = memoryview(self._mm)
         self.views = [self._mv[i * slot_bytes:(i + 1) * slot_bytes] for i in range(n_slots)]
+        # the allocation's address, for copy_slot (the ctypes object holds an export of
+        # the mapping, like the views, until close)
+        self._anchor: ctypes.Array | None = (ctypes.c_char * self.nbytes).from_buffer(self._mm)
+        self.base_addr = ctypes.addressof(self._anchor)
         self.pinned = False
         self._torch = None
         self._slot_tensors: list | None = None
@@ -369,6 +374,20 @@ class StagingPool:
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister of the staging pool failed ({rc})")
         self.pinned = True
+
+    def copy_slot(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy the first ``nbytes`` of slot ``src`` over slot ``dst``, with the GIL released
+        for the copy (``ctypes.memmove``). A memoryview slice assignment holds the GIL for
+        the whole memcpy: one 28 MiB block is about 5 ms during which vLLM's engine thread
+        cannot run Python (``docs/results/cpu/claim-copy-gil.md``). The caller owns both
+        slots (nobody else reads or writes them meanwhile); ``dst != src``. Any thread.
+        Raises ValueError on a slot or size out of range (nothing is copied)."""
+        sb = self.slot_bytes
+        if not (0 <= dst < self.n_slots and 0 <= src < self.n_slots and dst != src
+                and 0 <= nbytes <= sb) or self._anchor is None:
+            raise ValueError(f"copy_slot({dst}, {src}, {nbytes}): slots must be distinct "
+                             f"in [0, {self.n_slots}), size in [0, {sb}], pool open")
+        ctypes.memmove(self.base_addr + dst * sb, self.base_addr + src * sb, nbytes)
 
     def as_tensor(self):
         """The whole pool as a torch uint8 tensor (built once, aliases the pool)."""
@@ -394,6 +413,8 @@ class StagingPool:
         self._slot_tensors = None
         self._torch = None
         self.views = []
+        self._anchor = None
+        self.base_addr = 0
         self._mv.release()
         try:
             self._mm.close()

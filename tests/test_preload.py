@@ -48,6 +48,41 @@ def test_preload_then_on_demand_load_claims_the_staged_slot(root, ns, engine):
         lay.close()
 
 
+def test_promotion_claims_a_staged_preload_into_its_dram_slot(root, ns, engine):
+    """A load into a caller-owned DRAM-tier slot (a promotion) of a block a preload has
+    staged claims the staged slot: no second read, the block's header and payload are
+    copied into the DRAM-tier slot (``StagingPool.copy_slot``, GIL released), and the
+    load's destination gets the right bytes."""
+    lay = Layout(root, ns)
+    keys = [b"prom-0", b"prom-1"]
+    for k in keys:
+        assert lay.write_block(k, payload(k, BLOCK))
+    n_slots = 6
+    r = Reactor(lay, n_slots=n_slots, io_depth=2, lookahead=2, engine=engine,
+                copier=MemcpyCopier, pin=False, external_slots=1)
+    try:
+        _load(r, "p", keys[:1], Priority.SPECULATIVE)
+        assert r.wait(30)
+        read_after_preload = r.stats.bytes_read
+        assert r.stats.preload_staged == 1
+        ext = n_slots  # the first caller-owned slot
+        r.pool.views[ext][:HEADER_BYTES + BLOCK] = bytes(HEADER_BYTES + BLOCK)
+        d = bytearray(BLOCK)
+        r.load("prom", [(keys[0], d, BLOCK, ext, 0)])
+        assert r.wait(30)
+        done = {c.req_id: c for c in r.poll()}
+        assert done["prom"].success
+        assert bytes(d) == payload(keys[0], BLOCK)
+        assert r.stats.preload_claimed == 1
+        assert r.stats.bytes_read == read_after_preload  # served by the staged read
+        with open(lay.path_for(keys[0]), "rb") as f:
+            on_disk = f.read(HEADER_BYTES + BLOCK)
+        assert bytes(r.pool.views[ext][:HEADER_BYTES + BLOCK]) == on_disk
+    finally:
+        close_reactor(r)
+        lay.close()
+
+
 def test_same_prefix_preloads_share_one_read(root, ns, engine):
     lay, r, keys = _setup(root, ns, engine, 1)
     try:
