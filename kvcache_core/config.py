@@ -87,6 +87,14 @@ KEY_HELP: dict[str, str] = {
     "requests queue (issue 10's A/B: scripts/h200_runs.sh preload with KVEXTRA). Capped "
     "at io_depth - 1, so that speculative reads stuck on a slow disk always leave "
     "on-demand loads a unit. 1..64.",
+    "preload_keep_s": "Seconds a staged preload that no load has claimed yet is kept from "
+    "other preloads (default 30; 0 = any preload may evict it, the behaviour before the "
+    "forty-third session; at most 3600). When every staging slot a preload could take holds "
+    "such a block, the preload is dropped unread (counter preloads_dropped_full) instead "
+    "of evicting it: the blocks planned first (the head of vLLM's queue, the start of a "
+    "prefix) stay staged for their requests rather than being read and then evicted when "
+    "more is planned than staging holds (counter preloads_wasted). On-demand loads and "
+    "stores may always reclaim a staged slot. CPU-tested; not yet measured on a GPU.",
     "copy_headroom": "Extra slots beyond io_depth that keep the disk busy while device "
     "copies hold slots. staging_bytes must cover io_depth + copy_headroom slots.",
     "dram_cache_bytes": "Bytes of additional slots that retain finished blocks as a DRAM "
@@ -260,6 +268,7 @@ class StorageConfig:
     io_depth: int = 8
     lookahead: int = 8
     preload_depth: int = 1
+    preload_keep_s: float = 30.0
     copy_headroom: int = 4
     dram_cache_bytes: int = 0
     eviction_policy: str = "lru-admit"
@@ -335,6 +344,9 @@ class StorageConfig:
             and not isinstance(self.writeback_max_fraction, bool)
             and 0 < self.writeback_max_fraction <= 1), "writeback_max_fraction",
              "must be 'auto' or a number in (0, 1]")
+        need(isinstance(self.preload_keep_s, (int, float)) and not isinstance(
+            self.preload_keep_s, bool) and 0 <= self.preload_keep_s <= 3600,
+             "preload_keep_s", "must be a number of seconds in 0..3600 (0 = off)")
         need(isinstance(self.writeback_defer_s, (int, float)) and not isinstance(
             self.writeback_defer_s, bool) and 0 <= self.writeback_defer_s <= 10,
              "writeback_defer_s", "must be a number of seconds in 0..10 (0 = off)")

@@ -34,7 +34,11 @@ most ``spec_depth`` speculative loads (default ONE, the seed paper's policy; nev
 than ``io_depth - 1``) are open or reading at a time, and only while no foreground file
 waits for a unit; each may only take a slot above the ``io_depth`` foreground
 reservation; a foreground load arriving while a speculative file is open but not yet
-reading closes that fd and re-queues the preload.
+reading closes that fd and re-queues the preload. A preload never reclaims the slot of
+another preload staged less than ``preload_keep_s`` ago and not yet claimed: when those
+are all it could take, it is dropped unread (``preload_dropped_full``), so the preloads
+planned first (the head of vLLM's queue, the start of a prefix) stay staged; foreground
+loads and stores still reclaim staged slots.
 
 Errors never escape the reactor: a missing file is a miss, a short/corrupt/mismatched
 file is a counted miss (the file is removed), ENOSPC or any write error drops the store
@@ -121,6 +125,11 @@ class _CancelMsg(NamedTuple):
 
 #: interpreter switch interval the reactor sets when the current one is larger (None: keep)
 SWITCH_INTERVAL_S = 0.0005
+
+#: default ``preload_keep_s``: a staged preload that no load has claimed is not evicted by
+#: another preload for this long (the scheduler counts a staged block as live for as long:
+#: ``STAGED_TTL_S``); foreground loads and stores may always reclaim it
+STAGED_KEEP_S = 30.0
 
 #: process-wide holds of a lowered switch interval (``switch_interval_scope="busy"``):
 #: the count of such reactors of the process with a request in flight, and the interval
@@ -242,6 +251,9 @@ class ReactorStats:
     preload_joined: int = 0
     #: preloaded blocks whose slot was reclaimed before any load claimed them
     preload_wasted: int = 0
+    #: preloads dropped before reading because every reclaimable staging slot held a
+    #: fresher unclaimed preload (``preload_keep_s``): a preload never evicts one
+    preload_dropped_full: int = 0
     #: on-demand loads that joined another on-demand load's read of the same block (one
     #: read, one device copy each)
     loads_joined: int = 0
@@ -315,6 +327,9 @@ class Reactor(LoadRouting):
     file writes in flight for a new write-back file to start while any read (foreground
     or speculative) is queued, opening or in flight; 0 starts none then. Writes already
     started are not interrupted.
+    ``preload_keep_s`` (config key of the same name; None = ``STAGED_KEEP_S``, 30 s): a
+    staged preload no load has claimed is not evicted by another preload for this long;
+    0 lets any preload evict it (see the module doc).
     """
 
     def __init__(self, layout: Layout, *, n_slots: int, external_slots: int = 0,
@@ -330,13 +345,18 @@ class Reactor(LoadRouting):
                  store_policy: str = "wait", write_depth: int | None = None,
                  io_timeout_s: float = 0.0, store_copy_wait: str = "poll",
                  writeback_defer_s: float = 0.0, spec_depth: int = 1,
-                 write_depth_reading: int | None = None, io_async: str = "auto") -> None:
+                 write_depth_reading: int | None = None, io_async: str = "auto",
+                 preload_keep_s: float | None = None) -> None:
         if io_async not in IO_ASYNC:
             raise ValueError(f"io_async must be one of {IO_ASYNC}, got {io_async!r}")
         if not 1 <= spec_depth <= 64:
             raise ValueError(f"spec_depth must be in 1..64, got {spec_depth!r}")
         if not 0 <= writeback_defer_s <= 10:
             raise ValueError(f"writeback_defer_s must be in 0..10, got {writeback_defer_s!r}")
+        #: config key preload_keep_s (None: STAGED_KEEP_S, read when the reactor is made)
+        self.preload_keep_s = STAGED_KEEP_S if preload_keep_s is None else float(preload_keep_s)
+        if not 0 <= self.preload_keep_s <= 3600:
+            raise ValueError(f"preload_keep_s must be in 0..3600, got {preload_keep_s!r}")
         if store_copy_wait not in STORE_COPY_WAITS:
             raise ValueError(f"store_copy_wait must be one of {STORE_COPY_WAITS}, got "
                              f"{store_copy_wait!r}")
@@ -506,6 +526,9 @@ class Reactor(LoadRouting):
         # key a preload staged in a slot, until a load claims it (stale once reclaimed:
         # compared with the claiming key, so a reused slot never counts)
         self._staged: list[bytes | None] = [None] * self.pool.n_slots
+        self._staged_at = [0.0] * self.pool.n_slots  # when it was staged (monotonic)
+        self._spec_now = 0.0  # the time _spec_evictable compares with (reactor thread)
+        self._spec_evictable = self._not_fresh_staged  # bound once: no per-call allocation
         self._reqs: dict[Hashable, Request] = {}
         self._cqes: list[tuple[int, int]] = []
         self._b_slots: list[int] = []
@@ -899,13 +922,37 @@ class Reactor(LoadRouting):
             worked = True
         while self._opened_spec and not self._opened_fg and self._io_inflight < self.io_depth:
             t = self._opened_spec[0]
-            slot = t.slot if t.ext else self._acquire(t.tid, Priority.SPECULATIVE)
+            if t.ext:
+                slot = t.slot
+            else:
+                self._spec_now = time.monotonic()
+                slot = self._acquire(t.tid, Priority.SPECULATIVE, self._spec_evictable)
+                if slot < 0 and self.alloc.available(Priority.SPECULATIVE):
+                    # slots above the reservation exist, but each holds a preload staged
+                    # less than preload_keep_s ago that no load has claimed yet: a preload
+                    # planned later (for a request further back in vLLM's queue, or more
+                    # of one request than staging holds) does not evict it; it is dropped
+                    # (its request reads the block on demand)
+                    self._opened_spec.popleft()
+                    self.engine.close(t.tag | OP_CLOSE, t.fd)
+                    t.fd = -1
+                    self.stats.preload_dropped_full += 1
+                    self._finish(t, False)
+                    worked = True
+                    continue
             if slot < 0:
                 break
             self._opened_spec.popleft()
             self._start_read(t, slot)
             worked = True
         return worked
+
+    def _not_fresh_staged(self, key: Hashable) -> bool:
+        """Whether a speculative read may reclaim the cached staging slot of ``key``: not
+        while it holds an unclaimed preload staged less than ``preload_keep_s`` ago."""
+        slot = self.alloc.index[key]
+        return not (self._staged[slot] == key
+                    and self._spec_now - self._staged_at[slot] < self.preload_keep_s)
 
     def note_foreground(self) -> None:
         """Foreground work is happening now (any thread; a plain float store): with
@@ -1198,10 +1245,12 @@ class Reactor(LoadRouting):
         t.slot = -1
         self._finish(t, True)
 
-    def _acquire(self, tid: int, prio: Priority) -> int:
-        """A staging slot for task ``tid`` (-1: none). A slot that still held a preloaded
-        block no load claimed counts that preload as wasted."""
-        slot = self.alloc.acquire(tid, prio)
+    def _acquire(self, tid: int, prio: Priority,
+                 evictable: Callable[[Hashable], bool] | None = None) -> int:
+        """A staging slot for task ``tid`` (-1: none; ``evictable`` as for
+        :meth:`SlotAllocator.acquire`). A slot that still held a preloaded block no load
+        claimed counts that preload as wasted."""
+        slot = self.alloc.acquire(tid, prio, evictable)
         if slot >= 0 and self._staged[slot] is not None:
             self._staged[slot] = None
             self.stats.preload_wasted += 1

@@ -17,6 +17,7 @@ rules:
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from .layout import HEADER_BYTES
@@ -29,12 +30,12 @@ if TYPE_CHECKING:
 
 class LoadRouting:
     """Mixin of the reactor. Uses (owned by the reactor): ``alloc`` (slot allocator),
-    ``pool`` (slot views), ``engine``, ``stats``, ``_slot_len`` / ``_staged`` (per slot:
-    payload length, key of an unclaimed preload), ``_spec_by_key`` / ``_joiners``
-    (preloads by key, loads joined to them), ``_fg_by_key`` / ``_fg_joiners`` (on-demand
-    reads by key, loads joined to them), the queues ``_new_spec``, ``_opened_spec``,
-    ``_new_fg``, ``_ready``, ``_spec_live`` (speculative loads opening, open or reading) and
-    ``_finish``."""
+    ``pool`` (slot views), ``engine``, ``stats``, ``_slot_len`` / ``_staged`` /
+    ``_staged_at`` (per slot: payload length, key of an unclaimed preload, when it was
+    staged), ``_spec_by_key`` / ``_joiners`` (preloads by key, loads joined to them),
+    ``_fg_by_key`` / ``_fg_joiners`` (on-demand reads by key, loads joined to them), the
+    queues ``_new_spec``, ``_opened_spec``, ``_new_fg``, ``_ready``, ``_spec_live``
+    (speculative loads opening, open or reading) and ``_finish``."""
 
     def _route_load(self, t: Task) -> None:
         """Where a new load goes: retained/staged slot, join an in-flight preload, queue."""
@@ -141,6 +142,7 @@ class LoadRouting:
         self.alloc.release(slot, key, force=True)
         t.slot = -1
         self._staged[slot] = key
+        self._staged_at[slot] = time.monotonic()
         self.stats.preload_staged += 1
         self._finish(t, True)
         for j in self._joiners.pop(key, ()):

@@ -226,10 +226,13 @@ class SlotAllocator:
             return None
         return self.policy.victim(self._unpinned_cached)
 
-    def acquire(self, owner: int, prio: Priority = Priority.FOREGROUND) -> int:
+    def acquire(self, owner: int, prio: Priority = Priority.FOREGROUND,
+                evictable: Callable[[Hashable], bool] | None = None) -> int:
         """Give a slot to ``owner`` (state BUSY). Returns the slot index or -1.
 
         The caller owns the slot until :meth:`release`; nobody else may touch its bytes.
+        ``evictable(key)`` (optional) narrows which cached slots may be reclaimed when none
+        is free; it is only asked about unpinned cached keys.
         """
         if prio == Priority.SPECULATIVE and not self.available(prio):
             self.refused_speculative += 1
@@ -237,7 +240,11 @@ class SlotAllocator:
         if self._free:
             slot = self._free.pop()
         else:
-            key = self.policy.victim(self._unpinned_cached)
+            pred = self._unpinned_cached
+            if evictable is not None:
+                def pred(k: Hashable) -> bool:
+                    return self._unpinned_cached(k) and evictable(k)
+            key = self.policy.victim(pred)
             if key is None:
                 return -1
             slot = self.index.pop(key)

@@ -3,6 +3,8 @@ bounded staging. Real files, real io_uring / POSIX engines."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from helpers.kvutil import BLOCK, close_reactor, payload
 
@@ -12,13 +14,13 @@ from kvcache_core.reactor import Reactor
 from kvcache_core.staging import Priority
 
 
-def _setup(root, ns, engine, n_keys, n_slots=6, io_depth=2):
+def _setup(root, ns, engine, n_keys, n_slots=6, io_depth=2, **kw):
     lay = Layout(root, ns)
     keys = [f"pre-{i}".encode() for i in range(n_keys)]
     for k in keys:
         assert lay.write_block(k, payload(k, BLOCK))
     r = Reactor(lay, n_slots=n_slots, io_depth=io_depth, lookahead=2, engine=engine,
-                copier=MemcpyCopier, pin=False)
+                copier=MemcpyCopier, pin=False, **kw)
     return lay, r, keys
 
 
@@ -78,6 +80,47 @@ def test_promotion_claims_a_staged_preload_into_its_dram_slot(root, ns, engine):
         with open(lay.path_for(keys[0]), "rb") as f:
             on_disk = f.read(HEADER_BYTES + BLOCK)
         assert bytes(r.pool.views[ext][:HEADER_BYTES + BLOCK]) == on_disk
+    finally:
+        close_reactor(r)
+        lay.close()
+
+
+def test_a_preload_never_evicts_a_fresh_unclaimed_preload(root, ns, engine):
+    """``preload_keep_s`` (default 30 s). More preloads than staging holds above the
+    foreground reservation (one request's
+    prefix longer than staging, or requests further back in the queue): the first ones
+    stay staged for their loads, the rest are dropped unread (``preload_dropped_full``),
+    never read only to be evicted by the next preload. The on-demand load then claims the
+    staged prefix and reads the rest itself: every block read once, the right bytes.
+    A staged preload older than ``preload_keep_s`` may be evicted by a later one (as every
+    staged preload could before): with 0 s the reads cycle through staging and waste."""
+    lay, r, keys = _setup(root, ns, engine, 10, n_slots=5, io_depth=2)
+    try:
+        _load(r, "p", keys, Priority.SPECULATIVE)
+        assert r.wait(30)
+        s = r.stats
+        staged = s.preload_staged
+        assert staged >= 1 and s.preload_dropped_full == len(keys) - staged
+        assert s.preload_wasted == 0 and s.bytes_read == staged * ns.file_bytes
+        dests = _load(r, "fg", keys)
+        assert r.wait(30)
+        done = {c.req_id: c for c in r.poll()}
+        assert done["fg"].success
+        for k, d in zip(keys, dests, strict=True):
+            assert bytes(d) == payload(k, BLOCK)
+        assert s.preload_claimed == staged and s.preload_wasted == 0
+        assert s.bytes_read == len(keys) * ns.file_bytes  # each block read once
+        r.alloc.check()
+    finally:
+        close_reactor(r)
+        lay.close()
+    lay, r, keys = _setup(os.path.join(str(root), "keep0"), ns, engine, 10, n_slots=5,
+                          io_depth=2, preload_keep_s=0)
+    try:
+        _load(r, "p", keys, Priority.SPECULATIVE)
+        assert r.wait(30)
+        assert r.stats.preload_dropped_full == 0 and r.stats.preload_staged == len(keys)
+        assert r.stats.preload_wasted > 0  # read, then evicted by the next preload
     finally:
         close_reactor(r)
         lay.close()

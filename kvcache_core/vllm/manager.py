@@ -306,6 +306,9 @@ WORKER_COUNTERS: dict[str, str] = {
     "before any load claimed them (the read was wasted).",
     "loads_joined": "Worker: on-demand loads that joined another load's read of the same "
     "block in flight (concurrent requests: one disk read, one device copy each).",
+    "preloads_dropped_full": "Worker: preloads dropped unread because every staging slot "
+    "they could take held a preload staged less than 30 s ago and not yet claimed (a "
+    "preload never evicts one: more planned than staging holds, the first planned stay).",
     "preloads_deduped": "Worker: preloads skipped (block already staged, cached or read).",
     "preloads_requeued": "Worker: preloads closed and re-queued for foreground work.",
     "stores_flushed": "Worker: deferred write-backs started from a DRAM-tier slot "

@@ -131,6 +131,7 @@ class PyKVCacheWorker(OffloadingWorker):
                 store_copy_wait=storage.store_copy_wait,
                 writeback_defer_s=float(storage.writeback_defer_s),
                 spec_depth=storage.preload_depth,
+                preload_keep_s=float(storage.preload_keep_s),
                 write_depth_reading=write_depth_reading_of(storage))
         except BaseException:
             self.layout.close()
@@ -503,6 +504,7 @@ class PyKVCacheWorker(OffloadingWorker):
                     preloads_staged=s.preload_staged, preloads_claimed=s.preload_claimed,
                     preloads_joined=s.preload_joined, preloads_deduped=s.preload_deduped,
                     loads_joined=s.loads_joined, preloads_wasted=s.preload_wasted,
+                    preloads_dropped_full=s.preload_dropped_full,
                     stores_flushed=s.stores_flushed, flushes_invalid=s.flushes_invalid,
                     preloads_requeued=s.spec_requeued,
                     # vLLM blocked in wait() (jobs_to_flush: a freed GPU block with a
