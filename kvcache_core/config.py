@@ -88,13 +88,17 @@ KEY_HELP: dict[str, str] = {
     "at io_depth - 1, so that speculative reads stuck on a slow disk always leave "
     "on-demand loads a unit. 1..64.",
     "preload_keep_s": "Seconds a staged preload that no load has claimed yet is kept from "
-    "other preloads (default 30; 0 = any preload may evict it, the behaviour before the "
-    "forty-third session; at most 3600). When every staging slot a preload could take holds "
-    "such a block, the preload is dropped unread (counter preloads_dropped_full) instead "
-    "of evicting it: the blocks planned first (the head of vLLM's queue, the start of a "
-    "prefix) stay staged for their requests rather than being read and then evicted when "
-    "more is planned than staging holds (counter preloads_wasted). On-demand loads and "
-    "stores may always reclaim a staged slot. CPU-tested; not yet measured on a GPU.",
+    "other preloads (default 0 = off: any preload may evict it; 30 matches how long the "
+    "scheduler counts a block as staged; at most 3600). When every staging slot a preload "
+    "could take holds such a block, the preload is dropped unread (counter "
+    "preloads_dropped_full) instead of evicting it: the blocks planned first (the head of "
+    "vLLM's queue, the start of a prefix) stay staged for their requests rather than being "
+    "read and then evicted when more is planned than staging holds (counter "
+    "preloads_wasted: 28 of 50 staged in two of the forty-third session's three "
+    "SCBench-like calls on an H100). On-demand loads and stores may always reclaim a "
+    "staged slot. CPU machine (docs/results/cpu/preload-keep-s43.md): 30 wasted fewer "
+    "preloads (3 against 4, median of three runs) with the same blocks read, the mean TTFT "
+    "within the run-to-run spread; off until a GPU run decides.",
     "copy_headroom": "Extra slots beyond io_depth that keep the disk busy while device "
     "copies hold slots. staging_bytes must cover io_depth + copy_headroom slots.",
     "dram_cache_bytes": "Bytes of additional slots that retain finished blocks as a DRAM "
@@ -268,7 +272,7 @@ class StorageConfig:
     io_depth: int = 8
     lookahead: int = 8
     preload_depth: int = 1
-    preload_keep_s: float = 30.0
+    preload_keep_s: float = 0.0
     copy_headroom: int = 4
     dram_cache_bytes: int = 0
     eviction_policy: str = "lru-admit"

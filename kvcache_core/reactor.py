@@ -34,11 +34,11 @@ most ``spec_depth`` speculative loads (default ONE, the seed paper's policy; nev
 than ``io_depth - 1``) are open or reading at a time, and only while no foreground file
 waits for a unit; each may only take a slot above the ``io_depth`` foreground
 reservation; a foreground load arriving while a speculative file is open but not yet
-reading closes that fd and re-queues the preload. A preload never reclaims the slot of
-another preload staged less than ``preload_keep_s`` ago and not yet claimed: when those
-are all it could take, it is dropped unread (``preload_dropped_full``), so the preloads
-planned first (the head of vLLM's queue, the start of a prefix) stay staged; foreground
-loads and stores still reclaim staged slots.
+reading closes that fd and re-queues the preload. With ``preload_keep_s`` > 0 a preload
+never reclaims the slot of another preload staged less than that long ago and not yet
+claimed: when those are all it could take, it is dropped unread
+(``preload_dropped_full``), so the preloads planned first (the head of vLLM's queue, the
+start of a prefix) stay staged; foreground loads and stores still reclaim staged slots.
 
 Errors never escape the reactor: a missing file is a miss, a short/corrupt/mismatched
 file is a counted miss (the file is removed), ENOSPC or any write error drops the store
@@ -125,11 +125,6 @@ class _CancelMsg(NamedTuple):
 
 #: interpreter switch interval the reactor sets when the current one is larger (None: keep)
 SWITCH_INTERVAL_S = 0.0005
-
-#: default ``preload_keep_s``: a staged preload that no load has claimed is not evicted by
-#: another preload for this long (the scheduler counts a staged block as live for as long:
-#: ``STAGED_TTL_S``); foreground loads and stores may always reclaim it
-STAGED_KEEP_S = 30.0
 
 #: process-wide holds of a lowered switch interval (``switch_interval_scope="busy"``):
 #: the count of such reactors of the process with a request in flight, and the interval
@@ -327,9 +322,9 @@ class Reactor(LoadRouting):
     file writes in flight for a new write-back file to start while any read (foreground
     or speculative) is queued, opening or in flight; 0 starts none then. Writes already
     started are not interrupted.
-    ``preload_keep_s`` (config key of the same name; None = ``STAGED_KEEP_S``, 30 s): a
-    staged preload no load has claimed is not evicted by another preload for this long;
-    0 lets any preload evict it (see the module doc).
+    ``preload_keep_s`` (config key of the same name; default 0 = off): a staged preload
+    no load has claimed is not evicted by another preload for this long (30 matches the
+    scheduler's ``STAGED_TTL_S``); 0 lets any preload evict it (see the module doc).
     """
 
     def __init__(self, layout: Layout, *, n_slots: int, external_slots: int = 0,
@@ -346,15 +341,15 @@ class Reactor(LoadRouting):
                  io_timeout_s: float = 0.0, store_copy_wait: str = "poll",
                  writeback_defer_s: float = 0.0, spec_depth: int = 1,
                  write_depth_reading: int | None = None, io_async: str = "auto",
-                 preload_keep_s: float | None = None) -> None:
+                 preload_keep_s: float = 0.0) -> None:
         if io_async not in IO_ASYNC:
             raise ValueError(f"io_async must be one of {IO_ASYNC}, got {io_async!r}")
         if not 1 <= spec_depth <= 64:
             raise ValueError(f"spec_depth must be in 1..64, got {spec_depth!r}")
         if not 0 <= writeback_defer_s <= 10:
             raise ValueError(f"writeback_defer_s must be in 0..10, got {writeback_defer_s!r}")
-        #: config key preload_keep_s (None: STAGED_KEEP_S, read when the reactor is made)
-        self.preload_keep_s = STAGED_KEEP_S if preload_keep_s is None else float(preload_keep_s)
+        #: config key preload_keep_s (0: off, any preload may evict a staged one)
+        self.preload_keep_s = float(preload_keep_s)
         if not 0 <= self.preload_keep_s <= 3600:
             raise ValueError(f"preload_keep_s must be in 0..3600, got {preload_keep_s!r}")
         if store_copy_wait not in STORE_COPY_WAITS:
@@ -925,9 +920,12 @@ class Reactor(LoadRouting):
             if t.ext:
                 slot = t.slot
             else:
-                self._spec_now = time.monotonic()
-                slot = self._acquire(t.tid, Priority.SPECULATIVE, self._spec_evictable)
-                if slot < 0 and self.alloc.available(Priority.SPECULATIVE):
+                keep = self.preload_keep_s > 0
+                if keep:
+                    self._spec_now = time.monotonic()
+                slot = self._acquire(t.tid, Priority.SPECULATIVE,
+                                     self._spec_evictable if keep else None)
+                if slot < 0 and keep and self.alloc.available(Priority.SPECULATIVE):
                     # slots above the reservation exist, but each holds a preload staged
                     # less than preload_keep_s ago that no load has claimed yet: a preload
                     # planned later (for a request further back in vLLM's queue, or more

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""``preload_keep_s`` on the CPU machine: the SCBench-like workload with the default (30 s)
-and with 0 (any preload may evict an unclaimed staged one: the behaviour before the
-forty-third session), rounds interleaved, each run its own engine process.
+"""``preload_keep_s`` on the CPU machine: the SCBench-like workload with 30 s and with the
+default 0 (any preload may evict an unclaimed staged one, as before the forty-third
+session), rounds interleaved, each run its own engine process.
 
 The workload is ``kvcache_core.bench.longdoc --workload scbench`` at CPU scale (the tests'
 tiny dummy-weight Llama, 4 contexts x 3,072 tokens, 4 rounds, 4 turns in flight, a staging
@@ -30,7 +30,7 @@ sys.path.insert(0, REPO)
 
 from kvcache_core.bench.common import write_json_md  # noqa: E402
 
-ARMS = {"keep30": [], "keep0": ["--kv-extra", "preload_keep_s=0"]}
+ARMS = {"keep30": ["--kv-extra", "preload_keep_s=30"], "keep0": []}
 COUNTERS = ("preloads_planned", "preloads_staged", "preloads_claimed", "preloads_wasted",
             "preloads_dropped_full", "disk_reads_repeat", "loads_disk", "loads_dram")
 
@@ -92,7 +92,7 @@ def main() -> int:
            for arm, rs in runs.items()}
     out = {"benchmark": "preload-keep", "machine": platform.node(), "cores": os.cpu_count(),
            "rounds": a.rounds, "medians": med, "runs": runs}
-    lines = [f"# `preload_keep_s` 30 (default) vs 0, SCBench-like at CPU scale "
+    lines = [f"# `preload_keep_s` 30 vs 0 (the default), SCBench-like at CPU scale "
              f"({out['machine']}, {out['cores']} cores)", "",
              "4 contexts x 3,072 tokens, 4 rounds, 4 turns in flight, tiny dummy-weight "
              "Llama on vLLM's CPU platform, staging 12 files (io_depth 4), DRAM tier 1.3 "

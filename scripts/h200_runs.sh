@@ -62,7 +62,7 @@ B=(python3 -m kvcache_core.bench.longdoc --model "configs/models/$M" --root "$RO
    --machine "$MACHINE" --append --resume --timeout 420)
 KVX=()  # the same keys for the server-based steps (sharegpt, replay)
 for kv in ${KVEXTRA:-}; do B+=(--kv-extra "$kv"); KVX+=(--kv-extra "$kv"); done
-# VARIANTS="NAME=BASE:KEY=JSON ..." (steps preload, preload50, mixed): py-kvcache
+# VARIANTS="NAME=BASE:KEY=JSON ..." (steps preload, preload50, mixed, scbench): py-kvcache
 # configurations with extra keys, each its own --variant (list NAME in CONFIGS)
 VA=(); for v in ${VARIANTS:-}; do VA+=(--variant "$v"); done
 if [ -n "${NOPROBE:-}" ]; then B+=(--no-probe); fi  # a later step of the same call
@@ -347,12 +347,13 @@ case "$STEP" in
     TOKENS=${TOKENS:-32768}
     GB=$(( (2 * (TOKENS + 64) + 15) / 16 + 96 ))
     # KVEXTRA=writeback_flush=true SUFFIX=-flush: py-kvcache with the deferred write-back
-    # of blocks kept in DRAM while the write-back was full (the A/B of that key).
+    # of blocks kept in DRAM while the write-back was full (the A/B of that key);
+    # VARIANTS= as for the preload step (a key against the defaults in one call).
     "${B[@]}" --json "$RES/scbench-run-$M$SFX.json" --workload scbench --tokens "$TOKENS" \
       --docs 4 --repeats "${ROUNDS:-6}" --concurrency 4 --gpu-blocks "$GB" \
       --timeout "${TIMEOUT:-170}" \
       --configs "${CONFIGS:-kvcache_nopreload,kvcache_preload,native_fs}" \
-      --preload-json "$RES/preload-$M$SFX.json" ;;
+      --preload-json "$RES/preload-$M$SFX.json" "${VA[@]}" ;;
   *) echo "unknown step $STEP" >&2; exit 2 ;;
 esac
 # one archive: the device tool brings back only a few files per call

@@ -814,18 +814,23 @@ def _longdoc_cpu(tmp_path, name: str, *args: str) -> tuple[subprocess.CompletedP
 def test_scbench_end_to_end_cpu(tmp_path):
     """``longdoc --workload scbench`` on real vLLM (CPU platform, tiny Llama, dummy
     weights): 4 contexts of 1024 tokens x 3 rounds, 2 in flight, py-kvcache with preload
-    and a DRAM tier of 1.3 contexts (native_fs does not run on vLLM's CPU platform)."""
+    and a DRAM tier of 1.3 contexts (native_fs does not run on vLLM's CPU platform), run
+    as a ``--variant`` of ``kvcache_preload`` (``preload_keep_s=30``): the row keeps the
+    variant's name, its base, its keys and the base's DRAM budget."""
     pytest.importorskip("vllm")
     t0 = time.monotonic()
     p, out, pre = _longdoc_cpu(
         tmp_path, "scbench", "--workload", "scbench", "--tokens", "1024", "--docs", "4",
         "--repeats", "3", "--concurrency", "2", "--gpu-blocks", "20",
-        "--configs", "kvcache_preload")
+        "--configs", "kvcache_preload_keep30",
+        "--variant", "kvcache_preload_keep30=kvcache_preload:preload_keep_s=30")
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.load(open(out))
     (r,) = res["results"]
     assert "error" not in r, r
-    assert r["workload"] == "scbench" and r["config"] == "kvcache_preload"
+    assert r["workload"] == "scbench" and r["config"] == "kvcache_preload_keep30"
+    assert r["base"] == "kvcache_preload" and r["kv_extra"] == {"preload_keep_s": 30}
+    assert r["dram_budget_bytes"] > 0
     assert r["n_requests"] == 12 and r["n_noreuse"] == 4
     assert [(t["round"], t["ctx"]) for t in r["turns"]][:4] == [(0, c) for c in range(4)]
     assert r["working_set_bytes"] > 3 * r["dram_budget_bytes"]  # the DRAM tier thrashes
@@ -839,7 +844,8 @@ def test_scbench_end_to_end_cpu(tmp_path):
     assert os.path.exists(out[:-5] + ".md") and os.path.exists(out[:-5] + ".png")
     (row,) = json.load(open(pre))["results"]
     assert row["workload"] == "scbench" and row["disk_read_bytes"] == r["disk_read_bytes"]
-    assert not os.path.exists(tmp_path / "root" / "kvcache_preload")  # root wiped
+    assert row["config"] == "kvcache_preload_keep30" and row["base"] == "kvcache_preload"
+    assert not os.path.exists(tmp_path / "root" / "kvcache_preload_keep30")  # root wiped
     print(f"e2e run {time.monotonic() - t0:.0f}s")
 
 

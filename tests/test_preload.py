@@ -86,15 +86,15 @@ def test_promotion_claims_a_staged_preload_into_its_dram_slot(root, ns, engine):
 
 
 def test_a_preload_never_evicts_a_fresh_unclaimed_preload(root, ns, engine):
-    """``preload_keep_s`` (default 30 s). More preloads than staging holds above the
-    foreground reservation (one request's
+    """``preload_keep_s`` = 30 s (off by default). More preloads than staging holds above
+    the foreground reservation (one request's
     prefix longer than staging, or requests further back in the queue): the first ones
     stay staged for their loads, the rest are dropped unread (``preload_dropped_full``),
     never read only to be evicted by the next preload. The on-demand load then claims the
     staged prefix and reads the rest itself: every block read once, the right bytes.
-    A staged preload older than ``preload_keep_s`` may be evicted by a later one (as every
-    staged preload could before): with 0 s the reads cycle through staging and waste."""
-    lay, r, keys = _setup(root, ns, engine, 10, n_slots=5, io_depth=2)
+    A staged preload older than ``preload_keep_s`` may be evicted by a later one; with 0
+    (the default: every staged preload may be) the reads cycle through staging and waste."""
+    lay, r, keys = _setup(root, ns, engine, 10, n_slots=5, io_depth=2, preload_keep_s=30)
     try:
         _load(r, "p", keys, Priority.SPECULATIVE)
         assert r.wait(30)
@@ -115,7 +115,7 @@ def test_a_preload_never_evicts_a_fresh_unclaimed_preload(root, ns, engine):
         close_reactor(r)
         lay.close()
     lay, r, keys = _setup(os.path.join(str(root), "keep0"), ns, engine, 10, n_slots=5,
-                          io_depth=2, preload_keep_s=0)
+                          io_depth=2)
     try:
         _load(r, "p", keys, Priority.SPECULATIVE)
         assert r.wait(30)

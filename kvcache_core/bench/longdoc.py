@@ -62,7 +62,7 @@ memory and disk read throughput over time (``kvcache_core/bench/scbench.py``).
 Rounds and variants: ``--rounds N`` (``--workload longdoc``) runs the configuration list N
 times, the order reversed every other round; each row then holds the medians over the
 rounds and ``round_results`` every round's rows. ``--variant NAME=BASE:KEY=JSON``
-(``--workload longdoc`` or ``mixed``) adds a py-kvcache configuration with extra config
+(every workload) adds a py-kvcache configuration with extra config
 keys under its own name (an A/B of one key in one run). Sizes below 16k tokens take
 ``--small-docs`` documents (default 8).
 
@@ -873,8 +873,8 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="NAME=BASE:KEY=JSON[;KEY=JSON]",
                     help="a py-kvcache configuration BASE with extra config keys, run as "
                          "its own configuration NAME (list it in --configs), e.g. "
-                         "kvcache_dram_dma=kvcache_dram:dram_load_copy=\"dma\"; "
-                         "--workload longdoc or mixed")
+                         "kvcache_dram_dma=kvcache_dram:dram_load_copy=\"dma\" "
+                         "(every --workload)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the --configs list this many times, the order reversed every "
                          "other round (A B C, C B A, ...), each configuration in new engine "
@@ -995,12 +995,20 @@ def dram_budget(cfg: str, args, doc_bytes: int) -> int | None:
 
 
 def _scbench_results(args, cfg: str, res: dict, kvb: int) -> list[dict]:
+    """The SCBench-like rows of configuration ``cfg`` (a ``--variant`` name keeps its
+    base, whose DRAM budget it has, and its extra keys, as the other workloads' rows)."""
     doc_bytes = tier_doc_bytes(args, kvb)
+    base = base_of(args, cfg)
+    keys = list(args.kv_extra) + variant_keys(args, cfg)
     out = []
     for wrow in res["rows"]:
         row = SC.scbench_row(cfg, wrow, res.get("samples"), kvb,
-                             dram_budget(cfg, args, doc_bytes))
+                             dram_budget(base, args, doc_bytes))
         row["store_counters"] = wrow.get("stats_after") or None
+        if keys and base.startswith("kvcache"):
+            row["kv_extra"] = dict(keys)
+        if base != cfg:
+            row["base"] = base
         out.append(row)
     return out
 
@@ -1049,8 +1057,6 @@ def _drive(args) -> int:
     if bad:
         raise SystemExit(f"unknown config(s) {bad}; choose from {ALL_CONFIGS} or a "
                          "--variant name")
-    if args.variant and args.workload not in ("longdoc", "mixed"):
-        raise SystemExit("--variant is for --workload longdoc or mixed only")
     if args.rounds != 1 and args.workload != "longdoc":
         raise SystemExit("--rounds is for --workload longdoc only")
     if args.rounds < 1:
