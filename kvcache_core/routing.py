@@ -35,7 +35,8 @@ class LoadRouting:
     staged), ``_spec_by_key`` / ``_joiners`` (preloads by key, loads joined to them),
     ``_fg_by_key`` / ``_fg_joiners`` (on-demand reads by key, loads joined to them), the
     queues ``_new_spec``, ``_opened_spec``, ``_new_fg``, ``_ready``, ``_spec_live``
-    (speculative loads opening, open or reading) and ``_finish``."""
+    (speculative loads opening, open or reading), ``trace`` / ``_trace`` and
+    ``_finish``."""
 
     def _route_load(self, t: Task) -> None:
         """Where a new load goes: retained/staged slot, join an in-flight preload, queue."""
@@ -91,7 +92,13 @@ class LoadRouting:
         if t.ext:  # the caller wants the block in its own slot (its DRAM tier): copy it
             # over with the GIL released (a promotion claiming a preload or a shared read:
             # a whole block, ~5 ms of memcpy that vLLM's engine thread would wait out)
-            self.pool.copy_slot(t.slot, slot, HEADER_BYTES + held)
+            if self.trace is None:
+                self.pool.copy_slot(t.slot, slot, HEADER_BYTES + held)
+            else:  # diagnostics: when and how long (trace_report's ``claim ms``)
+                c0 = time.perf_counter()
+                self.pool.copy_slot(t.slot, slot, HEADER_BYTES + held)
+                self._trace("claim_copy", t.req.req_id,
+                            int((time.perf_counter() - c0) * 1e6))
             self.alloc.unpin(slot)
         else:
             t.slot, t.cached = slot, True

@@ -12,7 +12,10 @@ copy itself: the copy ran synchronously); ``descs``: that copy's descriptors (on
 GPU block and layer when vLLM's blocks were not consecutive); ``copy ms``: that copy's
 GPU time (CUDA timing events); ``GIL wait``: the longest time the trace's probe thread
 waited for the GIL (some thread held it that long); ``gc ms``: the longest garbage
-collection in the window (the collecting thread holds the GIL throughout).
+collection in the window (the collecting thread holds the GIL throughout); ``claim ms``:
+the time the reactor spent copying staged blocks into DRAM-tier slots for promotions in
+the window (``claim_copy`` events; the GIL is released during those copies since the
+forty-third session, held before).
 
 With ``--loads``, per engine instead: every load job in the order it reached the reactor
 (its id, chunks, when it came, when its first disk read started and its last one ended,
@@ -107,6 +110,8 @@ def window(events: list, times: list[float], t0: float, t1: float) -> dict[str, 
             counts["gc_max_ms"] = max(counts["gc_max_ms"], n / 1e3)
         elif ev == "write_done":
             counts["written_mb"] += n / 2**20
+        elif ev == "claim_copy":  # a promotion copying a staged block (GIL released)
+            counts["claim_copy_ms"] += n / 1e3
     counts["last_store_done_before_token_ms"] = (
         (t1 - last_store_done) * 1e3 if last_store_done is not None else -1)
     return dict(counts)
@@ -349,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'request':>16} {'tokens':>7} {'ttft ms':>9} {'stores':>6} {'copied':>6} "
               f"{'st done':>7} {'loads':>5} {'ld done':>7} {'last st->tok ms':>15} "
               f"{'steps':>5} {'launch ms':>9} {'max':>6} {'1st fwd ms':>10} {'wr MB':>7} "
-              f"{'issue ms':>8} {'descs':>6} {'copy ms':>7} {'GIL wait':>8} {'gc ms':>6}")
+              f"{'issue ms':>8} {'descs':>6} {'copy ms':>7} {'GIL wait':>8} {'gc ms':>6} "
+              f"{'claim ms':>8}")
         for rid, n_tok, t0, t1 in reqs:
             w = window(events, times, t0, t1)
             row = {"engine": name, "request": rid, "tokens": n_tok, "ttft_ms": (t1 - t0) * 1e3,
@@ -363,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{w.get('first_fwd_after_submit_ms', -1):>10.1f} "
                   f"{w.get('written_mb', 0):>7.0f} {w.get('direct_issue_ms', 0):>8.1f} "
                   f"{w.get('direct_ops', 0):>6} {w.get('direct_copy_ms', 0):>7.1f} "
-                  f"{w.get('gil_late_max_ms', 0):>8.1f} {w.get('gc_max_ms', 0):>6.1f}")
+                  f"{w.get('gil_late_max_ms', 0):>8.1f} {w.get('gc_max_ms', 0):>6.1f} "
+                  f"{w.get('claim_copy_ms', 0):>8.1f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -54,14 +54,22 @@ def test_promotion_claims_a_staged_preload_into_its_dram_slot(root, ns, engine):
     """A load into a caller-owned DRAM-tier slot (a promotion) of a block a preload has
     staged claims the staged slot: no second read, the block's header and payload are
     copied into the DRAM-tier slot (``StagingPool.copy_slot``, GIL released), and the
-    load's destination gets the right bytes."""
+    load's destination gets the right bytes. With the trace on, the copy is a
+    ``claim_copy`` event (its request, its microseconds) that ``scripts/trace_report.py``
+    sums into the request's ``claim ms``."""
+    import json
+    import subprocess
+    import sys
+    import time
+
     lay = Layout(root, ns)
     keys = [b"prom-0", b"prom-1"]
     for k in keys:
         assert lay.write_block(k, payload(k, BLOCK))
     n_slots = 6
+    t0 = time.monotonic()
     r = Reactor(lay, n_slots=n_slots, io_depth=2, lookahead=2, engine=engine,
-                copier=MemcpyCopier, pin=False, external_slots=1)
+                copier=MemcpyCopier, pin=False, external_slots=1, trace=True)
     try:
         _load(r, "p", keys[:1], Priority.SPECULATIVE)
         assert r.wait(30)
@@ -80,6 +88,24 @@ def test_promotion_claims_a_staged_preload_into_its_dram_slot(root, ns, engine):
         with open(lay.path_for(keys[0]), "rb") as f:
             on_disk = f.read(HEADER_BYTES + BLOCK)
         assert bytes(r.pool.views[ext][:HEADER_BYTES + BLOCK]) == on_disk
+        copies = [e for e in r.trace if e[1] == "claim_copy"]
+        assert len(copies) == 1 and copies[0][2] == "prom" and copies[0][3] >= 0, copies
+        d = os.path.join(str(root), "trace")
+        os.makedirs(d)
+        with open(os.path.join(d, "x.requests.json"), "w") as f:
+            json.dump([["req", 16, t0, time.monotonic()]], f)
+        with open(os.path.join(d, "x.r0.json"), "w") as f:
+            json.dump([list(e) for e in r.trace], f)
+        rows = os.path.join(str(root), "rows.json")
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "trace_report.py"),
+                              d, "--json", rows], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+        assert "claim ms" in out
+        with open(rows) as f:
+            (row,) = json.load(f)
+        assert row["claim_copy"] == 1
+        assert row["claim_copy_ms"] == pytest.approx(copies[0][3] / 1e3)
     finally:
         close_reactor(r)
         lay.close()
