@@ -1553,11 +1553,12 @@ class Reactor(LoadRouting):
 
     def _void_for_waiters(self, t: Task, ext_slot: int) -> None:
         """Promotion ``t`` (a disk read into caller-owned ``ext_slot``, which it owns)
-        failed, was cancelled or expired: when loads wait to copy from the slot
-        (``AFTER_LOAD``), zero its header first, so that they fail their header check
-        instead of copying what the read left there."""
-        if (ext_slot >= 0 and t.kind == LOAD and not t.flags & IN_SLOT
-                and ext_slot in self._ext_wait):
+        failed, was cancelled or expired: zero the slot's header, so that loads that copy
+        from the slot (``AFTER_LOAD``) fail their header check instead of copying what
+        the read left there, whether they already wait for the slot or arrive after the
+        failure (a load submitted right behind the promotion can reach the reactor after
+        a missing file's open has already failed)."""
+        if ext_slot >= 0 and t.kind == LOAD and not t.flags & IN_SLOT:
             self.pool.views[ext_slot][:8] = bytes(8)
 
     def _release_ext(self, slot: int) -> None:
