@@ -523,7 +523,9 @@ class Reactor(LoadRouting):
         self._staged: list[bytes | None] = [None] * self.pool.n_slots
         self._staged_at = [0.0] * self.pool.n_slots  # when it was staged (monotonic)
         self._spec_now = 0.0  # the time _spec_evictable compares with (reactor thread)
-        self._spec_evictable = self._not_fresh_staged  # bound once: no per-call allocation
+        # preload_keep_s > 0: the predicate a speculative acquire passes, bound once (None:
+        # off, the allocator's own rule)
+        self._spec_evictable = self._not_fresh_staged if self.preload_keep_s > 0 else None
         self._reqs: dict[Hashable, Request] = {}
         self._cqes: list[tuple[int, int]] = []
         self._b_slots: list[int] = []
@@ -920,12 +922,12 @@ class Reactor(LoadRouting):
             if t.ext:
                 slot = t.slot
             else:
-                keep = self.preload_keep_s > 0
-                if keep:
+                keep = self._spec_evictable
+                if keep is not None:
                     self._spec_now = time.monotonic()
-                slot = self._acquire(t.tid, Priority.SPECULATIVE,
-                                     self._spec_evictable if keep else None)
-                if slot < 0 and keep and self.alloc.available(Priority.SPECULATIVE):
+                slot = self._acquire(t.tid, Priority.SPECULATIVE, keep)
+                if (slot < 0 and keep is not None
+                        and self.alloc.available(Priority.SPECULATIVE)):
                     # slots above the reservation exist, but each holds a preload staged
                     # less than preload_keep_s ago that no load has claimed yet: a preload
                     # planned later (for a request further back in vLLM's queue, or more

@@ -92,11 +92,9 @@ class LoadRouting:
         if t.ext:  # the caller wants the block in its own slot (its DRAM tier): copy it
             # over with the GIL released (a promotion claiming a preload or a shared read:
             # a whole block, ~5 ms of memcpy that vLLM's engine thread would wait out)
-            if self.trace is None:
-                self.pool.copy_slot(t.slot, slot, HEADER_BYTES + held)
-            else:  # diagnostics: when and how long (trace_report's ``claim ms``)
-                c0 = time.perf_counter()
-                self.pool.copy_slot(t.slot, slot, HEADER_BYTES + held)
+            c0 = time.perf_counter() if self.trace is not None else 0.0
+            self.pool.copy_slot(t.slot, slot, HEADER_BYTES + held)
+            if self.trace is not None:  # diagnostics: trace_report's ``claim ms``
                 self._trace("claim_copy", t.req.req_id,
                             int((time.perf_counter() - c0) * 1e6))
             self.alloc.unpin(slot)
