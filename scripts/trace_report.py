@@ -84,6 +84,7 @@ def window(events: list, times: list[float], t0: float, t1: float) -> dict[str, 
     counts: dict[str, int | float] = defaultdict(int)
     last_store_done = None
     fwd_t = None
+    end_t = None  # the last fwd_end seen: the next fwd_start closes a between-steps gap
     for t, ev, _rid, n in events[i:j]:
         counts[ev] += 1
         if ev == "done_store":
@@ -91,11 +92,17 @@ def window(events: list, times: list[float], t0: float, t1: float) -> dict[str, 
         elif ev == "fwd_start":  # the worker's step marks: host time launching a forward
             fwd_t = t
             counts.setdefault("first_fwd_after_submit_ms", (t - t0) * 1e3)
+            if end_t is not None:  # the engine thread outside the worker between steps
+                g = (t - end_t) * 1e3
+                counts["gap_ms"] += g
+                counts["gap_max_ms"] = max(counts["gap_max_ms"], g)
+                end_t = None
         elif ev == "fwd_end" and fwd_t is not None:
             d = (t - fwd_t) * 1e3
             counts["launch_ms"] += d
             counts["launch_max_ms"] = max(counts["launch_max_ms"], d)
             fwd_t = None
+            end_t = t
         elif ev == "direct_done":  # a DRAM hit copied by the worker thread
             counts["direct_done_ms"] = (t - t0) * 1e3
         elif ev == "direct_issued":  # how long issuing that copy held the worker thread
@@ -355,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'st done':>7} {'loads':>5} {'ld done':>7} {'last st->tok ms':>15} "
               f"{'steps':>5} {'launch ms':>9} {'max':>6} {'1st fwd ms':>10} {'wr MB':>7} "
               f"{'issue ms':>8} {'descs':>6} {'copy ms':>7} {'GIL wait':>8} {'gc ms':>6} "
-              f"{'claim ms':>8}")
+              f"{'claim ms':>8} {'gap ms':>7} {'gap max':>7}")
         for rid, n_tok, t0, t1 in reqs:
             w = window(events, times, t0, t1)
             row = {"engine": name, "request": rid, "tokens": n_tok, "ttft_ms": (t1 - t0) * 1e3,
@@ -370,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{w.get('written_mb', 0):>7.0f} {w.get('direct_issue_ms', 0):>8.1f} "
                   f"{w.get('direct_ops', 0):>6} {w.get('direct_copy_ms', 0):>7.1f} "
                   f"{w.get('gil_late_max_ms', 0):>8.1f} {w.get('gc_max_ms', 0):>6.1f} "
-                  f"{w.get('claim_copy_ms', 0):>8.1f}")
+                  f"{w.get('claim_copy_ms', 0):>8.1f} {w.get('gap_ms', 0):>7.1f} "
+                  f"{w.get('gap_max_ms', 0):>7.1f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1177,6 +1177,17 @@ def test_trace_report_stalls_finds_the_gap_between_engine_steps(tmp_path):
                                  "_on_disk"}]
     assert row["stacks"] == [{"n": 2, "frames": [
         "faccessat (libc.so.6)", "lookup (kvcache_core/vllm/manager.py:870)"]}]
+    # the per-request report: request a's window (t to last_end + 0.52, both ends
+    # included) holds nine 5 ms gaps among the first ten steps, the 500 ms stall and two
+    # 5 ms gaps after it (steps start at last_end + 0.5, + 0.51 and + 0.52)
+    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "trace_report.py"),
+                    str(d), "--json", str(tmp_path / "req.json")],
+                   capture_output=True, text=True, timeout=60, check=True)
+    rows = {r["request"]: r for r in json.loads((tmp_path / "req.json").read_text())}
+    a = rows["a"]
+    assert a["gap_max_ms"] == pytest.approx(500, abs=0.01), a
+    assert a["gap_ms"] == pytest.approx(9 * 5 + 500 + 2 * 5, abs=0.01), a
+    assert rows["warm"].get("gap_ms", 0) == 0  # one step only: no gap inside its window
 
 
 def test_sim_admission_ideal_tier_reads_each_document_once_and_the_cap_saves_bytes():
