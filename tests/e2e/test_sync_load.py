@@ -278,3 +278,57 @@ def test_sync_bad_slot_with_gpu_prefix_cache_is_recomputed(model_dir, workdir):
     for x, y in zip(good, bad, strict=True):
         assert x["tokens"] == y["tokens"]
         assert H.same_output(x, y, tol=H.SPLIT_LOGPROB_TOL)
+
+
+def _beside_prefill_run(model_dir: str, root: str, beside: bool) -> dict:
+    """A stored into the DRAM tier; then B (fresh, 1,000 tokens, two prefill chunks of at
+    most 768 tokens) and A submitted together: A's lookup comes in B's second step, while
+    B is still computing its prompt; then A alone again."""
+    llm = H.make_llm(model_dir, H.extra_config(root, dram_cache_bytes=8 * H.FILE_BYTES,
+                                               dram_load_sync=True,
+                                               dram_load_sync_beside_prefill=beside),
+                     max_num_batched_tokens=768)
+    try:
+        m = H.manager(llm)
+        H.generate(llm, A)
+        H.drain(llm)
+        s1 = m.stats()
+        b, a = H.generate_many(llm, [B, A])
+        H.drain(llm)
+        s2 = m.stats()
+        alone = H.generate(llm, A)
+        H.drain(llm)
+        s3 = m.stats()
+    finally:
+        H.shutdown(llm)
+    return {"a": a, "b": b, "alone": alone, "together": H.delta(s2, s1),
+            "later": H.delta(s3, s2)}
+
+
+def test_sync_load_beside_a_prefill_is_asynchronous_when_asked(model_dir, workdir, reference):
+    """``dram_load_sync_beside_prefill=false``: the DRAM hit that arrives while another
+    request is in prefill is loaded asynchronously (its copy would hold up that request's
+    step), counted in ``loads_async_beside_prefill``; the same hit alone afterwards is
+    synchronous. With the default (true) the hit beside the prefill is synchronous. Tokens
+    equal recompute's in both (logprobs within the prefill-split tolerance: B is computed
+    in two chunks)."""
+    on = _beside_prefill_run(model_dir, os.path.join(workdir, "beside-on"), True)
+    off = _beside_prefill_run(model_dir, os.path.join(workdir, "beside-off"), False)
+    for r in (on, off):
+        for out, ref in ((r["a"], reference["A"]), (r["b"], reference["B"]),
+                         (r["alone"], reference["A"])):
+            assert H.same_output(out, ref, tol=H.SPLIT_LOGPROB_TOL), (out, ref)
+        assert r["a"]["num_cached_tokens"] == FULL_HIT
+        assert r["together"].get("chunks_loaded_dram") == 3, r["together"]
+        assert r["later"].get("loads_sync") == 1, r["later"]  # alone: synchronous
+    assert on["together"].get("loads_sync") == 1, on["together"]
+    assert "loads_async_beside_prefill" not in on["together"], on["together"]
+    assert "loads_sync" not in off["together"], off["together"]
+    assert off["together"].get("loads_async_beside_prefill", 0) >= 1, off["together"]
+    assert "loads_async_beside_prefill" not in off["later"], off["later"]
+
+
+def test_dram_load_sync_beside_prefill_must_be_a_bool():
+    with pytest.raises(ConfigError, match="dram_load_sync_beside_prefill"):
+        parse_extra_config({"block_size": 256, "dram_load_sync_beside_prefill": "no",
+                            "storage": {"root_dir": "/tmp/x"}})
