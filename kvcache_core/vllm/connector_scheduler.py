@@ -246,8 +246,7 @@ class SchedulerSide:
         self.backlog_model: QueueModel | None = None
         #: ``gate_balance``: the same model, the GPU's queue weighed beside the disk's
         self.balance_model: QueueModel | None = None
-        #: queue-aware preload, ``gate_balance`` and ``dram_load_sync_beside_prefill``
-        #: false: scheduled requests still in prefill
+        #: queue-aware preload and ``gate_balance``: scheduled requests still in prefill
         #: (req id -> request; vLLM counts the tokens a request loads in its
         #: ``num_computed_tokens`` from the step that schedules it: not GPU work)
         self._prefilling: dict[str, Request] = {}
@@ -267,9 +266,6 @@ class SchedulerSide:
         #: synchronous; this step's synchronous load jobs (sent with the metadata); the
         #: ones not yet reported done by every worker (job id -> ranks so far)
         self.dram_load_sync: bool = opts.dram_load_sync
-        #: ``dram_load_sync_beside_prefill`` false: a DRAM hit is loaded asynchronously
-        #: while another scheduled request is in prefill (:meth:`_other_prefilling`)
-        self._sync_beside_prefill: bool = opts.dram_load_sync_beside_prefill
         self._sync_lookup: set[str] = set()
         #: requests scheduled with an asynchronous load (vLLM parks them in
         #: WAITING_FOR_REMOTE_KVS until the load is done and its waiting loop reaches
@@ -428,32 +424,10 @@ class SchedulerSide:
             # the gate may have kept only the leading DRAM/staged chunks of the prefix
             tier = manager.lookup_tier() if n == found[0] else manager.lookup_fast_chunks()[1]
             if tier == "dram":
-                if self._sync_beside_prefill or not self._other_prefilling(rid):
-                    self._sync_lookup.add(rid)
-                    return n, False
-                manager.counters["loads_async_beside_prefill"] += 1
+                self._sync_lookup.add(rid)
+                return n, False
         self._sync_lookup.discard(rid)
         return result
-
-    def _other_prefilling(self, rid: str) -> bool:
-        """Whether a scheduled request other than ``rid`` is still computing its prompt
-        (RUNNING, fewer computed tokens than prompt tokens): vLLM schedules its running
-        requests before it looks up waiting ones, so such a request computes in this
-        step, and a synchronous load would make it wait for the copy. Requests parked
-        for an asynchronous load are not computing and do not count. Entries whose
-        prefill is done are dropped. Scheduler thread; O(requests in prefill)."""
-        pf = self._prefilling
-        done: list[str] | None = None
-        found = False
-        for other, r in pf.items():
-            if r.num_computed_tokens >= r.num_prompt_tokens:
-                (done := done or []).append(other)
-            elif other != rid and r.status == RequestStatus.RUNNING:
-                found = True
-                break
-        for other in done or ():
-            del pf[other]
-        return found
 
     def _hold(self, rid: str, found: tuple[int | None, bool],
               result: tuple[int | None, bool]) -> bool:
@@ -693,8 +667,7 @@ class SchedulerSide:
         ``gate_balance``, and it waits no more (``disk_load_hold_s``)."""
         if self._holds:
             self._holds.pop(request.request_id, None)
-        if (self.queue_model is not None or self.balance_model is not None
-                or not self._sync_beside_prefill):
+        if self.queue_model is not None or self.balance_model is not None:
             self._prefilling[request.request_id] = request
         if self._gate_decisions:
             decisions = self._gate_decisions.pop(request.request_id, ())

@@ -154,9 +154,6 @@ MANAGER_COUNTERS: dict[str, str] = {
     "promotions": "Disk chunks loaded into a DRAM-tier slot (kept there on success).",
     "loads_sync": "dram_load_sync: load jobs served synchronously (every chunk in the DRAM "
     "tier; the request computed in the same engine step).",
-    "loads_async_beside_prefill": "dram_load_sync_beside_prefill false: lookups of a "
-    "prefix held entirely in the DRAM tier answered asynchronous because another "
-    "scheduled request was in prefill (a request deferred again is counted again).",
     "stores": "Chunks stored (written through to disk).",
     "stores_dram": "Stored chunks that also went into a DRAM-tier slot.",
     "stores_no_dram_slot": "Chunks stored without a DRAM-tier slot because every slot was "

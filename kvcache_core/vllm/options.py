@@ -55,7 +55,6 @@ GLUE_KEYS: tuple[str, ...] = ("model_id", "load_failure_policy", "preload_lookah
                                "preload_max_blocks", "breakeven_table", "queue_aware_preload",
                                "disk_min_prefix_tokens", "min_store_prefix_tokens",
                                "disk_lookup_cache_s", "disk_lookup_async", "dram_load_sync",
-                               "dram_load_sync_beside_prefill",
                                "gpu_kv_layout",
                                "preload_protect", "disk_load_hold_s", "disk_load_hold_when",
                                "disk_load_hold_requests", "disk_backlog_gate",
@@ -121,14 +120,6 @@ GLUE_KEY_HELP: dict[str, str] = {
     "without them refuses an explicit true; the default then falls back to asynchronous loads "
     "with a warning). Default true: on the H200 it lowered DRAM-hit TTFT at 4k-16k "
     "(0.68-0.77x) and, in one Bailian-coder replay, mean TTFT under a queue (0.20x).",
-    "dram_load_sync_beside_prefill": "With dram_load_sync: whether a synchronous DRAM load "
-    "is also made while another scheduled request is still computing its prompt (true, "
-    "default). A synchronous load's host->device copy runs before the step's forward, so "
-    "every request in the step waits for it (a 40k-token prefix of a 3B model is 4.6 GB, "
-    "~0.15-0.2 s of PCIe); an asynchronous one overlaps other requests' compute and costs "
-    "its own request one more engine step. false: asynchronous whenever another request "
-    "is in prefill (counter loads_async_beside_prefill), synchronous otherwise (alone, or "
-    "beside decodes only).",
     "gpu_kv_layout": "How vLLM lays out the GPU KV cache for this connector: "
     "'cross_layer' (default: what vLLM 0.26 gives any OffloadingConnector, its native CPU "
     "offload included: one tensor in which every layer of a block is contiguous, heads "
@@ -310,8 +301,7 @@ GLUE_DEFAULTS: dict[str, str] = {
     "min_store_prefix_tokens": "`auto`",
     "queue_aware_preload": "false", "disk_lookup_cache_s": "`auto`",
     "disk_lookup_async": "`off`",
-    "dram_load_sync": "true", "dram_load_sync_beside_prefill": "true",
-    "gpu_kv_layout": "`cross_layer`", "preload_protect": "`auto`",
+    "dram_load_sync": "true", "gpu_kv_layout": "`cross_layer`", "preload_protect": "`auto`",
     "disk_load_hold_s": "30", "disk_load_hold_when": "`loading`",
     "disk_load_hold_requests": "1",
     "disk_backlog_gate": "false", "gate_balance": "false", "join_promotions": "false",
@@ -369,9 +359,6 @@ class VllmOptions:
     #: whether the config set ``dram_load_sync`` (an explicit true is refused by a vLLM
     #: without the scheduler internals; the default falls back to asynchronous loads)
     dram_load_sync_set: bool = False
-    #: ``dram_load_sync_beside_prefill``: False = asynchronous while another scheduled
-    #: request is in prefill
-    dram_load_sync_beside_prefill: bool = True
     #: "cross_layer" (vLLM's layout for an offloading connector) or "per_layer"
     gpu_kv_layout: str = CROSS_LAYER
     #: seconds a disk-loading request waits behind another request's disk load (0: off)
@@ -478,8 +465,6 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
           la)
     dls = ex.get("dram_load_sync", True)
     _need(isinstance(dls, bool), "dram_load_sync", "must be true or false", dls)
-    dlp = ex.get("dram_load_sync_beside_prefill", True)
-    _need(isinstance(dlp, bool), "dram_load_sync_beside_prefill", "must be true or false", dlp)
     hold = ex.get("disk_load_hold_s", 30)
     _need(isinstance(hold, (int, float)) and not isinstance(hold, bool)
           and 0 <= hold <= 3600 and hold == hold,
@@ -507,8 +492,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> VllmOptions:
                        min_store_prefix_tokens=ms,
                        disk_lookup_cache_s=lc, disk_lookup_async=la,
                        model_identity=ex.get(MODEL_IDENTITY_KEY), dram_load_sync=dls,
-                       dram_load_sync_set="dram_load_sync" in ex,
-                       dram_load_sync_beside_prefill=dlp, gpu_kv_layout=gkl,
+                       dram_load_sync_set="dram_load_sync" in ex, gpu_kv_layout=gkl,
                        disk_load_hold_s=float(hold), disk_load_hold_when=hw,
                        disk_load_hold_requests=hr, join_promotions=jp,
                        disk_warm_start=dws)
