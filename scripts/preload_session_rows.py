@@ -31,8 +31,11 @@ configuration name as run, e.g. a ``--variant`` name), ``variant`` (its ``kv_ext
 ``key=value`` words, ``defaults`` without), ``distinct_kv_bytes`` (one document's KV x
 documents), a subset of the scheduler's counters and, where the run file lists each
 request's document (``hit_docs``, negative = nothing to reuse), ``noreuse_by_position``:
-``[submission position, TTFT]`` of each request with nothing to reuse. A row that failed keeps only
-``call``, ``arm`` and ``error``. Prints one line per row.
+``[submission position, TTFT]`` of each request with nothing to reuse, and
+``reuse_served_before``: ``[submission position, n]``, n the requests with something to
+reuse submitted before it whose first token came before its own (FCFS served them first:
+the part of a no-reuse request's delay with preload that is queue order, not overhead).
+A row that failed keeps only ``call``, ``arm`` and ``error``. Prints one line per row.
 
 Usage: python scripts/preload_session_rows.py --out preload-<model>-sNN-<card>.json
          [--md preload-<model>-sNN-<card>.md] --card h100 --note "..."
@@ -101,6 +104,12 @@ def call_rows(call: str, doc: dict, workload: str) -> list[dict]:
             # a configuration moved (the mixed workload's fresh requests are negative)
             row["noreuse_by_position"] = [
                 [i, t] for i, (t, h) in enumerate(zip(tt, hd, strict=True)) if h < 0]
+            # per such request: the reusing requests submitted before it whose first
+            # token came first (FCFS served them ahead of it: the part of a no-reuse
+            # request's delay that is queue order, not overhead)
+            row["reuse_served_before"] = [
+                [i, sum(1 for j in range(i) if hd[j] >= 0 and tt[j] < t)]
+                for i, t in row["noreuse_by_position"]]
         ss = r.get("scheduler_stats") or {}
         if ss:
             row["scheduler"] = {k: ss[k] for k in SCHED_KEYS if k in ss}

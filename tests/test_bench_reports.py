@@ -1298,6 +1298,11 @@ def test_preload_session_rows_ratios_stay_within_a_call(tmp_path):
     assert on["reuse_off_on"] == pytest.approx(2.0)
     assert on["noreuse_on_off"] == pytest.approx(1.05)
     assert rows[("c2", "kvcache_nopreload")]["noreuse_by_position"] == [[0, 1.0], [2, 3.0]]
+    # position 2's fresh request: in c2 without preload the reusing request ahead of it
+    # had its first token later (9.0 against 3.0 s), in c4 with preload earlier (4.0
+    # against 4.5 s): FCFS served it first
+    assert rows[("c2", "kvcache_nopreload")]["reuse_served_before"] == [[0, 0], [2, 0]]
+    assert rows[("c4", "kvcache_preload")]["reuse_served_before"] == [[0, 0], [2, 1]]
     assert "noreuse_by_position" not in on  # its run row lists no documents
     assert "reuse_off_on" not in rows[("c1", "kvcache_preload")]  # c1's nopreload failed
     assert rows[("c3", "kvcache_preload")]["workload"] == "scbench"
